@@ -1,0 +1,18 @@
+"""oscar-compile: 2-bit KV-cache quantization with OSCAR rotations and a torch.compile backend."""
+
+from . import ops  # registers torch.ops.oscar.*
+from .cache import CacheCapacityError, LayerTransforms, MemoryReport, PagedInt2KVCache
+from .quant import dequantize_int2, hadamard_matrix, identity_matrix, quantize_int2
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PagedInt2KVCache",
+    "LayerTransforms",
+    "MemoryReport",
+    "CacheCapacityError",
+    "quantize_int2",
+    "dequantize_int2",
+    "hadamard_matrix",
+    "identity_matrix",
+]

@@ -1,0 +1,363 @@
+"""The paged INT2 KV cache: page pools, block tables, BF16 sinks and recent ring, per-head transforms.
+
+Layout per layer (DESIGN.md section 3)::
+
+    k_codes, v_codes  [num_pages, page_size, kv_heads, d // 4]    uint8, quartered INT2
+    k_meta,  v_meta   [num_pages, page_size, kv_heads, 2 * d // g] (scales..., mins...) in meta_dtype
+    k_sink,  v_sink   [batch, num_sinks, kv_heads, d]             cache dtype (BF16)
+    k_ring,  v_ring   [batch, window, kv_heads, d]                cache dtype, slot = position % window
+
+shared by all layers::
+
+    block_table [batch, max_pages] int32 (-1 = no page), seq_lens [batch] int32
+
+The pages hold the quantized positions ``S .. L - W - 1`` of a row (quantized index ``j = p - S``),
+so a row of length ``L`` owns ``ceil((L - S - W) / page_size)`` pages. Page ownership is managed
+here on the host (:meth:`allocate`, :meth:`release`); the ops only read the block table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from . import ops
+from .kernels.store import CacheCapacityError
+from .quant import bits_per_element
+
+__all__ = ["LayerTransforms", "LayerKV", "PagedInt2KVCache", "MemoryReport", "CacheCapacityError"]
+
+
+@dataclass
+class LayerTransforms:
+    """Per-KV-head transforms of one layer (DESIGN.md section 4); all matrices ``[H, d, d]``.
+
+    Keys are stored as ``(k - key_mean) @ key_transform`` and queries used as ``q @ query_transform``
+    with ``query_transform = key_transform^-T`` (scores unchanged up to a per-query constant);
+    values are stored as ``(v - value_mean) @ value_transform`` and the output is
+    ``o' @ output_transform + value_mean`` with ``output_transform = value_transform^-1``.
+    Clip ratios (``1.0`` = no clipping) apply to the stored page rows.
+    """
+
+    key_transform: torch.Tensor
+    query_transform: torch.Tensor
+    value_transform: torch.Tensor
+    output_transform: torch.Tensor
+    key_mean: torch.Tensor
+    value_mean: torch.Tensor
+    key_clip: float = 1.0
+    value_clip: float = 1.0
+
+    @classmethod
+    def identity(cls, num_kv_heads: int, head_dim: int, device=None) -> "LayerTransforms":
+        eye = torch.eye(head_dim, device=device).expand(num_kv_heads, head_dim, head_dim).contiguous()
+        zero = torch.zeros(num_kv_heads, head_dim, device=device)
+        return cls(eye, eye.clone(), eye.clone(), eye.clone(), zero, zero.clone())
+
+    @classmethod
+    def from_matrices(
+        cls,
+        key_transform: torch.Tensor,
+        value_transform: torch.Tensor,
+        key_mean: torch.Tensor | None = None,
+        value_mean: torch.Tensor | None = None,
+        key_clip: float = 1.0,
+        value_clip: float = 1.0,
+    ) -> "LayerTransforms":
+        """Build from ``A_k``, ``A_v`` (``[H, d, d]``, invertible); inverses are taken offline in float64."""
+        a_k = key_transform.double()
+        a_v = value_transform.double()
+        b_q = torch.linalg.inv(a_k).transpose(-1, -2)
+        b_o = torch.linalg.inv(a_v)
+        h, d, _ = a_k.shape
+        zero = torch.zeros(h, d, dtype=torch.float64)
+        return cls(
+            a_k.float(), b_q.float(), a_v.float(), b_o.float(),
+            (zero if key_mean is None else key_mean.double()).float(),
+            (zero if value_mean is None else value_mean.double()).float(),
+            float(key_clip), float(value_clip),
+        )
+
+    def to(self, device) -> "LayerTransforms":
+        return replace(self, **{n: getattr(self, n).to(device=device, dtype=torch.float32) for n in self._tensor_names()})
+
+    @staticmethod
+    def _tensor_names():
+        return ("key_transform", "query_transform", "value_transform", "output_transform", "key_mean", "value_mean")
+
+    def validate(self, num_kv_heads: int, head_dim: int, rtol: float = 1e-3) -> None:
+        """Check shapes, finiteness and that the query/output matrices invert the key/value ones."""
+        h, d = num_kv_heads, head_dim
+        for name in self._tensor_names():
+            t = getattr(self, name)
+            want = (h, d) if name.endswith("mean") else (h, d, d)
+            if tuple(t.shape) != want:
+                raise ValueError(f"oscar: {name} must have shape {list(want)}, got {tuple(t.shape)}")
+            if not torch.isfinite(t).all():
+                raise ValueError(f"oscar: {name} has non-finite entries")
+        eye = torch.eye(d, dtype=torch.float64, device=self.key_transform.device)
+        checks = (
+            ("key_transform^T @ query_transform", self.key_transform.double().transpose(-1, -2) @ self.query_transform.double()),
+            ("value_transform @ output_transform", self.value_transform.double() @ self.output_transform.double()),
+        )
+        for name, prod in checks:
+            err = (prod - eye).abs().max().item()
+            if err > rtol * max(1.0, prod.abs().max().item()):
+                raise ValueError(f"oscar: {name} is not the identity (max error {err:.2e}): the inverse matrices do not match")
+        for name in ("key_clip", "value_clip"):
+            r = getattr(self, name)
+            if not 0.0 < r <= 1.0:
+                raise ValueError(f"oscar: {name} must be in (0, 1], got {r}")
+
+
+@dataclass
+class LayerKV:
+    """The cache tensors of one layer, in the argument order of the oscar ops."""
+
+    k_codes: torch.Tensor
+    k_meta: torch.Tensor
+    v_codes: torch.Tensor
+    v_meta: torch.Tensor
+    k_sink: torch.Tensor
+    v_sink: torch.Tensor
+    k_ring: torch.Tensor
+    v_ring: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.k_codes, self.k_meta, self.v_codes, self.v_meta, self.k_sink, self.v_sink, self.k_ring, self.v_ring)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """KV memory of one sequence at a given context length (all layers unless noted)."""
+
+    context_len: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    int2_bytes: int  # this cache: sinks + ring + the row's pages (codes and metadata)
+    bf16_bytes: int  # a BF16 cache of the same length
+    bytes_per_token_per_layer: float
+    bits_per_element: float
+
+    @property
+    def compression(self) -> float:
+        return self.bf16_bytes / self.int2_bytes
+
+    def __str__(self) -> str:
+        return (
+            f"context {self.context_len:>7}: {self.bytes_per_token_per_layer:8.1f} B/token/layer, "
+            f"{self.bits_per_element:.3f} bits/element, {self.int2_bytes / 2**20:9.2f} MiB "
+            f"(BF16 {self.bf16_bytes / 2**20:9.2f} MiB, {self.compression:.2f}x smaller)"
+        )
+
+
+class PagedInt2KVCache:
+    """Paged INT2 KV cache for ``num_layers`` layers of ``num_kv_heads`` heads of ``head_dim``.
+
+    Args:
+        max_batch_size: rows (sequences) held at once.
+        max_seq_len: longest row; sizes the block table.
+        page_size: tokens per page.
+        num_sinks, window: BF16 attention-sink tokens and BF16 recent window (DESIGN.md section 3).
+        group_size: channels per (scale, min) group; ``None`` = ``head_dim`` (one group per row).
+        num_pages: pages per layer pool; default enough for every row at ``max_seq_len``.
+        identity_block_table: give row ``b`` the pages ``[b * max_pages, (b + 1) * max_pages)``
+            up front (the static-cache special case used by compiled models).
+        quantize: ``False`` keeps every token in the ring (BF16 in place of INT2; for checks).
+        dtype: dtype of sinks and ring; meta_dtype: dtype of scales and minimums.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        max_batch_size: int = 1,
+        max_seq_len: int = 4096,
+        page_size: int = 16,
+        num_sinks: int = 64,
+        window: int = 256,
+        group_size: int | None = None,
+        num_pages: int | None = None,
+        identity_block_table: bool = False,
+        quantize: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        meta_dtype: torch.dtype = torch.float16,
+        device: torch.device | str = "cpu",
+    ):
+        if head_dim % 4:
+            raise ValueError(f"oscar: head_dim must be divisible by 4 for INT2 packing, got {head_dim}")
+        group_size = head_dim if group_size is None else int(group_size)
+        if group_size <= 0 or head_dim % group_size:
+            raise ValueError(f"oscar: group_size {group_size} must divide head_dim {head_dim}")
+        for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("max_batch_size", max_batch_size),
+                          ("max_seq_len", max_seq_len), ("page_size", page_size)):
+            if int(val) < 1:
+                raise ValueError(f"oscar: {name} must be >= 1, got {val}")
+        if num_sinks < 0 or window < 0:
+            raise ValueError(f"oscar: num_sinks and window must be >= 0, got {num_sinks} and {window}")
+        if not quantize:
+            window = max(window, max_seq_len)  # every token stays in the BF16 ring: nothing is evicted
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.max_batch_size, self.max_seq_len, self.page_size = max_batch_size, max_seq_len, page_size
+        self.num_sinks, self.window, self.group_size = num_sinks, window, group_size
+        self.quantize, self.dtype, self.meta_dtype = quantize, dtype, meta_dtype
+        self.device = torch.device(device)
+        # A row of length L owns pages for its quantized positions S .. L - W - 1. Keep >= 1 page so
+        # no tensor is zero-sized (kernels index them unconditionally behind masks).
+        self.max_pages = max(1, self.pages_for(max_seq_len))
+        self.num_pages = max_batch_size * self.max_pages if num_pages is None else int(num_pages)
+        if self.num_pages < 1:
+            raise ValueError(f"oscar: num_pages must be >= 1, got {num_pages}")
+
+        h, d, g = num_kv_heads, head_dim, group_size
+        dev = self.device
+
+        def pool(cols, dt):
+            return torch.zeros(self.num_pages, page_size, h, cols, dtype=dt, device=dev)
+
+        def bf16(tokens):
+            return torch.zeros(max_batch_size, tokens, h, d, dtype=dtype, device=dev)
+
+        self.layers = [
+            LayerKV(pool(d // 4, torch.uint8), pool(2 * d // g, meta_dtype), pool(d // 4, torch.uint8), pool(2 * d // g, meta_dtype),
+                    bf16(num_sinks), bf16(num_sinks), bf16(window), bf16(window))
+            for _ in range(num_layers)
+        ]
+        self.transforms = [LayerTransforms.identity(h, d, device=dev) for _ in range(num_layers)]
+        self.block_table = torch.full((max_batch_size, self.max_pages), -1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=dev)
+        self._row_pages: list[list[int]] = [[] for _ in range(max_batch_size)]
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low pages first
+        self.identity_block_table = identity_block_table
+        if identity_block_table:
+            if self.num_pages < max_batch_size * self.max_pages:
+                raise ValueError(
+                    f"oscar: an identity block table needs {max_batch_size} x {self.max_pages} pages, pool has {self.num_pages}"
+                )
+            for row in range(max_batch_size):
+                self._take_pages(row, self.max_pages)
+
+    # ---------------------------------------------------------------- pages
+    def pages_for(self, length: int) -> int:
+        """Pages a row of ``length`` tokens owns."""
+        return math.ceil(max(0, length - self.num_sinks - self.window) / self.page_size)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens one row can hold at most (sinks + window + its block-table width in pages)."""
+        return self.num_sinks + self.window + self.max_pages * self.page_size
+
+    def _take_pages(self, row: int, count: int) -> None:
+        have = len(self._row_pages[row])
+        if count > len(self._free_pages):
+            raise CacheCapacityError(
+                f"oscar: page pool exhausted: row {row} needs {count} more pages but only {len(self._free_pages)} of the "
+                f"pool's {self.num_pages} pages are free (page_size {self.page_size}: capacity "
+                f"{self.num_pages * self.page_size} quantized tokens per layer); release rows or make the pool larger"
+            )
+        new = [self._free_pages.pop() for _ in range(count)]
+        self._row_pages[row].extend(new)
+        self.block_table[row, have : have + count] = torch.tensor(new, dtype=torch.int32, device=self.device)
+
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.max_batch_size:
+            raise IndexError(f"oscar: row {row} out of range for a cache of {self.max_batch_size} rows")
+
+    def allocate(self, row: int, length: int) -> None:
+        """Make ``row`` able to hold ``length`` tokens (grows only) and record it as its length."""
+        self._check_row(row)
+        if length > self.max_seq_len:
+            raise CacheCapacityError(f"oscar: row {row} would hold {length} tokens, beyond max_seq_len={self.max_seq_len}")
+        need = self.pages_for(length) - len(self._row_pages[row])
+        if need > 0:
+            self._take_pages(row, need)
+        self.seq_lens[row] = max(int(self.seq_lens[row]), length)
+
+    def release(self, row: int) -> None:
+        """Return the row's pages to the pool (an identity block table keeps its fixed pages)."""
+        self._check_row(row)
+        if not self.identity_block_table:
+            self._free_pages.extend(reversed(self._row_pages[row]))
+            self._row_pages[row] = []
+            self.block_table[row] = -1
+        self.seq_lens[row] = 0
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    # ---------------------------------------------------------------- transforms
+    def set_transforms(self, layer: int, transforms: LayerTransforms) -> None:
+        transforms.validate(self.num_kv_heads, self.head_dim)
+        self.transforms[layer] = transforms.to(self.device)
+
+    # ---------------------------------------------------------------- ops
+    def _op_args(self, layer: int):
+        return (*self.layers[layer].tensors(), self.block_table)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write ``k, v [B, kv_heads, T, d]`` at ``positions [T] or [B, T]`` (negative = padding)."""
+        tr = self.transforms[layer]
+        ops.store(k, v, positions, *self._op_args(layer), tr.key_transform, tr.key_mean, tr.value_transform,
+                  tr.value_mean, tr.key_clip, tr.value_clip)
+
+    def attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        positions: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``q [B, q_heads, T, d]`` at ``positions`` over this layer's cache."""
+        tr = self.transforms[layer]
+        scale = self.head_dim**-0.5 if scale is None else float(scale)
+        return ops.attention(q, positions, *self._op_args(layer), tr.query_transform, tr.output_transform,
+                             tr.value_mean, attn_mask, is_causal, scale)
+
+    def reset(self) -> None:
+        """Forget every row (pages return to the pool; buffers are not cleared, they are never read unwritten)."""
+        for row in range(self.max_batch_size):
+            self.release(row)
+
+    # ---------------------------------------------------------------- memory
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor this cache allocated (all layers, whole pool)."""
+        tensors = [t for layer in self.layers for t in layer.tensors()] + [self.block_table, self.seq_lens]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def memory_report(self, context_len: int) -> MemoryReport:
+        """Memory one row of ``context_len`` tokens takes: its sink and ring buffers plus its pages."""
+        h, d, nl = self.num_kv_heads, self.head_dim, self.num_layers
+        dt = torch.finfo(self.dtype).bits // 8
+        page_token_bytes = h * (d // 4 + 2 * (d // self.group_size) * (torch.finfo(self.meta_dtype).bits // 8))
+        # K and V: the row's full sink and ring buffers plus its pages (the block table is negligible).
+        per_layer = 2 * (
+            (self.num_sinks + self.window) * h * d * dt + self.pages_for(context_len) * self.page_size * page_token_bytes
+        )
+        elements = 2 * context_len * h * d
+        return MemoryReport(
+            context_len=context_len, num_layers=nl, num_kv_heads=h, head_dim=d,
+            int2_bytes=per_layer * nl, bf16_bytes=elements * 2 * nl,
+            bytes_per_token_per_layer=per_layer / context_len,
+            bits_per_element=8 * per_layer / elements,
+        )
+
+    @property
+    def page_bits_per_element(self) -> float:
+        return bits_per_element(self.head_dim, self.group_size, self.meta_dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedInt2KVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"batch={self.max_batch_size}, max_seq_len={self.max_seq_len}, pages={self.num_pages}x{self.page_size}, "
+            f"sinks={self.num_sinks}, window={self.window}, group={self.group_size}, quantize={self.quantize}, "
+            f"{self.nbytes / 2**20:.1f} MiB on {self.device})"
+        )

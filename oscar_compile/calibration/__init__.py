@@ -1,0 +1,1 @@
+"""Calibration: tracer, covariance statistics, OSCAR rotations, artifacts."""

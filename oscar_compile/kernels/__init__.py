@@ -1,0 +1,1 @@
+"""Triton kernels for the oscar ops, each beside its plain-PyTorch reference."""

@@ -1,0 +1,125 @@
+"""``oscar::attention``: attention of new queries over the paged INT2 cache (sink + pages + ring).
+
+Semantics, per sequence row ``b`` (``positions[b, t]`` is query ``t``'s absolute position):
+
+* The row's history length is ``L_b = max_t positions[b, t] + 1`` (the queries include the newest
+  stored token, as in self-attention after the cache write). Key ``j < L_b`` is read from the sink
+  (``j < S``), the ring (``j >= max(S, L_b - W)``) or its INT2 page (dequantized), all in the
+  transformed basis.
+* The query is transformed ``q' = q B_q`` (``B_q`` of its KV head; GQA: query head ``h`` reads KV
+  head ``h // (Hq / Hkv)``), scores ``s = scale * q'.k'``; optional ``is_causal`` keeps keys
+  ``j <= positions[b, t]``; an optional ``attn_mask`` (bool: True keeps, or additive float,
+  broadcastable to ``[B, Hq, T, Lk]`` with ``Lk >= L_b``) indexes *logical* key positions.
+* Output ``o = softmax(s) V' B_o + mu_v`` in the query's dtype. A padding query (negative
+  position) or a query with no visible key returns zeros (SDPA would return NaN there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import dequantize_int2
+from .checks import CacheGeometry, check_attention
+
+# Queries per chunk in the reference: bounds the [heads, chunk, L] score buffer for long prefills.
+_QUERY_CHUNK = 256
+
+
+def gather_history(
+    geo: CacheGeometry, codes, meta, sink, ring, block_table, lengths: torch.Tensor, max_len: int
+) -> torch.Tensor:
+    """Read the stored (transformed) history of each row: ``[B, max_len, H, d]`` float32.
+
+    Positions at or past a row's length are zero (they are masked by the caller).
+    """
+    s, w, ps = geo.num_sinks, geo.window, geo.page_size
+    nb = lengths.shape[0]
+    dev = sink.device
+    j = torch.arange(max_len, device=dev)
+    out = torch.zeros(nb, max_len, geo.num_kv_heads, geo.head_dim, dtype=torch.float32, device=dev)
+    n_sink = min(s, max_len)
+    out[:, :n_sink] = sink[:nb, :n_sink].float()
+    if max_len > s:
+        jq = j[s:] - s  # quantized index of every non-sink position
+        logical = torch.div(jq, ps, rounding_mode="floor").clamp(max=geo.max_pages - 1)
+        pages = block_table[:nb].long()[:, logical].clamp(min=0)  # [B, L - S]; unowned -> masked below
+        slots = (jq % ps).expand_as(pages)
+        deq = dequantize_int2(
+            codes[pages, slots], *meta[pages, slots].float().chunk(2, dim=-1), group_size=geo.group_size
+        )
+        in_page = j[s:][None, :] < (lengths[:, None] - w)
+        hist = deq
+        if w > 0:
+            ring_rows = ring[:nb][:, j[s:] % w].float()  # ring slot = absolute position % W
+            hist = torch.where(in_page[..., None, None], deq, ring_rows)
+        out[:, s:] = hist
+    valid = j[None, :] < lengths[:, None]
+    return out * valid[..., None, None]
+
+
+def attention_reference(
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_meta: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_meta: torch.Tensor,
+    k_sink: torch.Tensor,
+    v_sink: torch.Tensor,
+    k_ring: torch.Tensor,
+    v_ring: torch.Tensor,
+    block_table: torch.Tensor,
+    query_transform: torch.Tensor,
+    output_transform: torch.Tensor,
+    value_mean: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """Plain-PyTorch ``oscar::attention`` (the CPU implementation and the test oracle)."""
+    cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
+    geo = check_attention(q, positions, cache, query_transform, output_transform, value_mean, attn_mask, scale)
+    b, hq, t, d = q.shape
+    h = geo.num_kv_heads
+    g = hq // h
+    pos = positions.long().expand(b, t) if positions.dim() == 1 else positions.long()
+    lengths = (pos.max(dim=1).values + 1).clamp(min=0)
+    max_len = int(lengths.max()) if b else 0
+    out = torch.zeros(b, h, g, t, d, dtype=torch.float32, device=q.device)
+    has_key = torch.zeros(b, h, g, t, dtype=torch.bool, device=q.device)
+    if max_len == 0:
+        return out.reshape(b, hq, t, d).to(q.dtype)
+    if attn_mask is not None and attn_mask.shape[-1] < max_len:
+        raise ValueError(f"oscar: attn_mask covers {attn_mask.shape[-1]} keys but the cache holds {max_len}")
+
+    keys = gather_history(geo, k_codes, k_meta, k_sink, k_ring, block_table, lengths, max_len)
+    values = gather_history(geo, v_codes, v_meta, v_sink, v_ring, block_table, lengths, max_len)
+    qt = torch.einsum("bhgtd,hde->bhgte", q.float().reshape(b, h, g, t, d), query_transform.float())
+    key_pos = torch.arange(max_len, device=q.device)
+    visible_len = key_pos[None, :] < lengths[:, None]  # [B, L]
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask[..., :max_len]
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(b, hq, t, max_len)
+        mask = mask.reshape(b, h, g, t, max_len)
+
+    for t0 in range(0, t, _QUERY_CHUNK):
+        t1 = min(t, t0 + _QUERY_CHUNK)
+        scores = torch.einsum("bhgtd,blhd->bhgtl", qt[:, :, :, t0:t1], keys) * scale
+        keep = visible_len[:, None, None, None, :].expand_as(scores)
+        if is_causal:
+            keep = keep & (key_pos[None, None, None, None, :] <= pos[:, None, None, t0:t1, None])
+        if mask is not None:
+            m = mask[:, :, :, t0:t1]
+            if m.dtype == torch.bool:
+                keep = keep & m
+            else:
+                scores = scores + m.float()
+        scores = scores.masked_fill(~keep, float("-inf"))
+        has_key[:, :, :, t0:t1] = torch.isfinite(scores).any(dim=-1) & (pos[:, None, None, t0:t1] >= 0)
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        out[:, :, :, t0:t1] = torch.einsum("bhgtl,blhd->bhgtd", probs, values)
+
+    out = torch.einsum("bhgtd,hde->bhgte", out, output_transform.float()) + value_mean.float()[None, :, None, None, :]
+    out = torch.where(has_key[..., None], out, torch.zeros_like(out))  # padding / no visible key -> 0
+    return out.reshape(b, hq, t, d).to(q.dtype)

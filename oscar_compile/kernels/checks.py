@@ -1,0 +1,156 @@
+"""Shape and dtype checks shared by every implementation of the oscar ops (reference, Triton, fake).
+
+They look only at metadata, so they also run at trace time inside the fake implementations: a
+rewritten graph with inconsistent shapes fails when it is compiled, not later with a wrong answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Sizes read off the cache tensors of one layer."""
+
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    num_groups: int  # quantization groups per row (d / g)
+    num_sinks: int
+    window: int
+    batch_capacity: int
+    max_pages: int
+
+    @property
+    def group_size(self) -> int:
+        return self.head_dim // self.num_groups
+
+
+def _fail(msg: str, exc=ValueError):
+    raise exc(f"oscar: {msg}")
+
+
+def check_cache(k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table) -> CacheGeometry:
+    for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
+        if t.dtype != torch.uint8:
+            _fail(f"{name} must be uint8 packed INT2 codes, got {t.dtype}", TypeError)
+        if t.dim() != 4:
+            _fail(f"{name} must be [num_pages, page_size, kv_heads, d/4], got shape {tuple(t.shape)}")
+    if k_codes.shape != v_codes.shape:
+        _fail(f"k_codes {tuple(k_codes.shape)} and v_codes {tuple(v_codes.shape)} differ")
+    num_pages, page_size, h, d4 = k_codes.shape
+    d = 4 * d4
+    for name, t in (("k_meta", k_meta), ("v_meta", v_meta)):
+        if not t.is_floating_point():
+            _fail(f"{name} must be floating point (scale, min), got {t.dtype}", TypeError)
+        if t.dim() != 4 or tuple(t.shape[:3]) != (num_pages, page_size, h) or t.shape[3] % 2:
+            _fail(f"{name} must be [{num_pages}, {page_size}, {h}, 2 * d/g], got {tuple(t.shape)}")
+    if k_meta.shape != v_meta.shape:
+        _fail(f"k_meta {tuple(k_meta.shape)} and v_meta {tuple(v_meta.shape)} differ")
+    groups = k_meta.shape[3] // 2
+    if groups == 0 or d % groups:
+        _fail(f"metadata holds {groups} groups, which does not divide head_dim {d}")
+    for name, t in (("k_sink", k_sink), ("v_sink", v_sink), ("k_ring", k_ring), ("v_ring", v_ring)):
+        if not t.is_floating_point():
+            _fail(f"{name} must be floating point, got {t.dtype}", TypeError)
+        if t.dim() != 4 or t.shape[2] != h or t.shape[3] != d:
+            _fail(f"{name} must be [batch, tokens, {h}, {d}], got {tuple(t.shape)}")
+    if k_sink.shape != v_sink.shape or k_ring.shape != v_ring.shape or k_sink.shape[0] != k_ring.shape[0]:
+        _fail(
+            f"sink/ring shapes disagree: k_sink {tuple(k_sink.shape)}, v_sink {tuple(v_sink.shape)}, "
+            f"k_ring {tuple(k_ring.shape)}, v_ring {tuple(v_ring.shape)}"
+        )
+    if block_table.dtype not in (torch.int32, torch.int64) or block_table.dim() != 2:
+        _fail(f"block_table must be int32 [batch, max_pages], got {block_table.dtype} {tuple(block_table.shape)}")
+    if block_table.shape[0] != k_sink.shape[0]:
+        _fail(f"block_table has {block_table.shape[0]} rows but the sink/ring buffers have {k_sink.shape[0]}")
+    return CacheGeometry(
+        num_pages=num_pages,
+        page_size=page_size,
+        num_kv_heads=h,
+        head_dim=d,
+        num_groups=groups,
+        num_sinks=k_sink.shape[1],
+        window=k_ring.shape[1],
+        batch_capacity=k_sink.shape[0],
+        max_pages=block_table.shape[1],
+    )
+
+
+def check_positions(positions: torch.Tensor, batch: int, tokens: int) -> None:
+    if positions.dtype not in (torch.int32, torch.int64):
+        _fail(f"positions must be int32 or int64, got {positions.dtype}", TypeError)
+    if positions.dim() == 1:
+        if positions.shape[0] != tokens:
+            _fail(f"positions has {positions.shape[0]} entries for {tokens} tokens")
+    elif positions.dim() == 2:
+        if tuple(positions.shape) != (batch, tokens):
+            _fail(f"positions must be [{tokens}] or [{batch}, {tokens}], got {tuple(positions.shape)}")
+    else:
+        _fail(f"positions must be [tokens] or [batch, tokens], got {tuple(positions.shape)}")
+
+
+def check_transforms(geo: CacheGeometry, **mats_and_means) -> None:
+    h, d = geo.num_kv_heads, geo.head_dim
+    for name, t in mats_and_means.items():
+        want = (h, d) if name.endswith("mean") else (h, d, d)
+        if tuple(t.shape) != want:
+            _fail(f"{name} must have shape {list(want)} (per KV head), got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            _fail(f"{name} must be floating point, got {t.dtype}", TypeError)
+
+
+def check_clip(name: str, ratio: float) -> None:
+    if not (0.0 < ratio <= 1.0):
+        _fail(f"{name} must be in (0, 1] (1 = no clipping), got {ratio}")
+
+
+def check_store(k, v, positions, cache_tensors, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip):
+    geo = check_cache(*cache_tensors)
+    if k.dim() != 4 or k.shape != v.shape:
+        _fail(f"k and v must both be [batch, kv_heads, tokens, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if not (k.is_floating_point() and v.is_floating_point()):
+        _fail(f"k and v must be floating point, got {k.dtype} and {v.dtype}", TypeError)
+    b, h, t, d = k.shape
+    if d % 4:
+        _fail(f"head_dim must be divisible by 4 for INT2 packing, got {d}")
+    if (h, d) != (geo.num_kv_heads, geo.head_dim):
+        _fail(f"k/v have {h} heads of dim {d} but the cache holds {geo.num_kv_heads} heads of dim {geo.head_dim}")
+    if b > geo.batch_capacity:
+        _fail(f"batch {b} exceeds the cache's {geo.batch_capacity} rows")
+    check_positions(positions, b, t)
+    check_transforms(geo, key_transform=key_transform, key_mean=key_mean, value_transform=value_transform, value_mean=value_mean)
+    check_clip("key_clip", key_clip)
+    check_clip("value_clip", value_clip)
+    return geo
+
+
+def check_attention(q, positions, cache_tensors, query_transform, output_transform, value_mean, attn_mask, scale):
+    geo = check_cache(*cache_tensors)
+    if q.dim() != 4 or not q.is_floating_point():
+        _fail(f"q must be a floating [batch, q_heads, tokens, head_dim] tensor, got {q.dtype} {tuple(q.shape)}")
+    b, hq, t, d = q.shape
+    if d != geo.head_dim:
+        _fail(f"q has head_dim {d} but the cache holds {geo.head_dim}")
+    if hq % geo.num_kv_heads:
+        _fail(f"{hq} query heads are not a multiple of the cache's {geo.num_kv_heads} KV heads")
+    if b > geo.batch_capacity:
+        _fail(f"batch {b} exceeds the cache's {geo.batch_capacity} rows")
+    check_positions(positions, b, t)
+    check_transforms(geo, query_transform=query_transform, output_transform=output_transform, value_mean=value_mean)
+    if attn_mask is not None:
+        if attn_mask.dim() > 4:
+            _fail(f"attn_mask must have at most 4 dims, got {tuple(attn_mask.shape)}")
+        shape = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
+        for got, want, name in zip(shape[:3], (b, hq, t), ("batch", "heads", "queries")):
+            if got not in (1, want):
+                _fail(f"attn_mask {tuple(attn_mask.shape)} does not broadcast over {name}={want}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            _fail(f"attn_mask must be bool or floating (additive), got {attn_mask.dtype}", TypeError)
+    if not scale > 0:
+        _fail(f"softmax scale must be positive, got {scale}")
+    return geo

@@ -1,0 +1,139 @@
+"""``oscar::store``: transform, quantize and write new keys/values into the paged INT2 cache.
+
+Semantics (DESIGN.md section 3), per sequence row ``b``; ``S`` sinks, ``W`` window, page size ``P``:
+
+* Every token is first transformed, ``k' = (k - mu_k) A_k`` (likewise ``v``), and rounded to the
+  cache dtype. All three regions hold transformed values, so one transformed query serves all.
+* Position ``p < S`` goes to the BF16 sink ``sink[b, p]``.
+* Position ``p >= S`` goes to the BF16 ring ``ring[b, p % W]``. When it arrives, the token it
+  evicts (position ``p - W``, if ``>= S``) is quantized into its page: quantized index
+  ``j = p - W - S`` lives at ``pages[block_table[b, j // P], j % P]``.
+* A chunk of many tokens (prefill) has the same end state as writing them one at a time: tokens
+  that would be evicted inside the chunk go straight to their pages (quantized from the same
+  cache-dtype rounded value the ring would have held, so chunking never changes the result).
+* Negative positions are padding and are skipped. The valid positions of a row must be
+  consecutive and continue that row's history (as every KV cache writes them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import quantize_int2
+from .checks import CacheGeometry, check_store
+
+
+class CacheCapacityError(RuntimeError):
+    """A write needs a page that the row does not own (pool exhausted or row too long)."""
+
+
+def transform_rows(x: torch.Tensor, matrix: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T, d]`` -> ``[B, T, H, d]`` float32: ``(x - mean[h]) @ matrix[h]`` per KV head."""
+    xc = x.float() - mean.float()[None, :, None, :]
+    return torch.einsum("bhtd,hde->bthe", xc, matrix.float())
+
+
+def _page_slots(geo: CacheGeometry, block_table: torch.Tensor, row: int, quant_index: torch.Tensor):
+    """Map quantized indices ``j = p - S`` of one row to (page, slot), checking ownership."""
+    logical = torch.div(quant_index, geo.page_size, rounding_mode="floor")
+    capacity = geo.num_sinks + geo.window + geo.max_pages * geo.page_size
+    if logical.numel() and int(logical.max()) >= geo.max_pages:
+        p = int(quant_index.max()) + geo.num_sinks
+        raise CacheCapacityError(
+            f"oscar: position {p} of row {row} is beyond the cache capacity of {capacity} tokens per row "
+            f"({geo.num_sinks} sinks + {geo.window} window + {geo.max_pages} pages x {geo.page_size})"
+        )
+    pages = block_table[row].long()[logical]
+    if pages.numel() and bool((pages < 0).any()):
+        p = int(quant_index[pages < 0][0]) + geo.num_sinks
+        raise CacheCapacityError(
+            f"oscar: row {row} has no page allocated for position {p}; allocate it first "
+            f"(PagedInt2KVCache.allocate) - the pool holds {geo.num_pages} pages of {geo.page_size} tokens"
+        )
+    if pages.numel() and int(pages.max()) >= geo.num_pages:
+        raise CacheCapacityError(f"oscar: block_table of row {row} names page {int(pages.max())} >= pool size {geo.num_pages}")
+    return pages, quant_index % geo.page_size
+
+
+def _write_pages(geo, codes, meta, block_table, row, quant_index, rows_fp, clip):
+    if quant_index.numel() == 0:
+        return
+    pages, slots = _page_slots(geo, block_table, row, quant_index)
+    packed, scale, minimum = quantize_int2(rows_fp, geo.group_size, clip, meta_dtype=meta.dtype)
+    codes[pages, slots] = packed
+    meta[pages, slots] = torch.cat([scale, minimum], dim=-1)
+
+
+def _row_spans(geo: CacheGeometry, pos: torch.Tensor, block_table: torch.Tensor):
+    """Per row: (row, valid mask, positions). Checks every row before anything is written."""
+    spans = []
+    for b in range(pos.shape[0]):
+        valid = pos[b] >= 0
+        p = pos[b][valid]
+        if p.numel() == 0:
+            continue
+        first, last = int(p[0]), int(p[-1])
+        if not torch.equal(p, torch.arange(first, last + 1, dtype=p.dtype, device=p.device)):
+            raise ValueError(f"oscar: positions of row {b} must be consecutive, got {p.tolist()[:16]}")
+        newest_quantized = last - geo.window - geo.num_sinks  # quantized index of the last page token
+        if newest_quantized >= 0:
+            lo = max(0, first - geo.window - geo.num_sinks)
+            _page_slots(geo, block_table, b, torch.arange(lo, newest_quantized + 1, device=p.device))
+        spans.append((b, valid, p))
+    return spans
+
+
+def _store_side(geo, x_t, spans, codes, meta, sink, ring, block_table, clip):
+    """Write one side (keys or values) of every row. ``x_t``: ``[B, T, H, d]`` in cache dtype."""
+    s, w = geo.num_sinks, geo.window
+    for b, valid, p in spans:
+        x = x_t[b][valid]
+        first, new_len = int(p[0]), int(p[-1]) + 1
+        # 1. Ring tokens written by earlier calls that leave the window now: quantize them first.
+        evict_lo, evict_hi = max(s, first - w), min(first, new_len - w)
+        if w > 0 and evict_hi > evict_lo:
+            old = torch.arange(evict_lo, evict_hi, device=p.device)
+            _write_pages(geo, codes, meta, block_table, b, old - s, ring[b, old % w].float(), clip)
+        # 2. This call's tokens, each to its final region.
+        in_sink = p < s
+        in_page = (p >= s) & (p < new_len - w)
+        in_ring = (p >= s) & ~in_page
+        sink[b, p[in_sink]] = x[in_sink]
+        _write_pages(geo, codes, meta, block_table, b, p[in_page] - s, x[in_page].float(), clip)
+        if w > 0:
+            ring[b, p[in_ring] % w] = x[in_ring]
+
+
+def store_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_meta: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_meta: torch.Tensor,
+    k_sink: torch.Tensor,
+    v_sink: torch.Tensor,
+    k_ring: torch.Tensor,
+    v_ring: torch.Tensor,
+    block_table: torch.Tensor,
+    key_transform: torch.Tensor,
+    key_mean: torch.Tensor,
+    value_transform: torch.Tensor,
+    value_mean: torch.Tensor,
+    key_clip: float,
+    value_clip: float,
+) -> None:
+    """Plain-PyTorch ``oscar::store`` (the CPU implementation and the test oracle). ``k, v``: ``[B, H, T, d]``."""
+    cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
+    geo = check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip)
+    b, _, t, _ = k.shape
+    pos = positions.long().expand(b, t) if positions.dim() == 1 else positions.long()
+    kt = transform_rows(k, key_transform, key_mean)
+    vt = transform_rows(v, value_transform, value_mean)
+    written = pos >= 0
+    if not (torch.isfinite(kt[written]).all() and torch.isfinite(vt[written]).all()):
+        raise ValueError("oscar: non-finite keys or values reached the KV cache (NaN/inf in the model's activations?)")
+    spans = _row_spans(geo, pos, block_table)  # validates everything before the first write
+    _store_side(geo, kt.to(k_sink.dtype), spans, k_codes, k_meta, k_sink, k_ring, block_table, key_clip)
+    _store_side(geo, vt.to(v_sink.dtype), spans, v_codes, v_meta, v_sink, v_ring, block_table, value_clip)

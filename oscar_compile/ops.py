@@ -1,0 +1,96 @@
+"""The two ``torch.library`` ops of oscar-compile (namespace ``oscar``).
+
+* ``oscar::store``     mutates the cache tensors of one layer (declared exactly in ``mutates_args``).
+* ``oscar::attention`` reads them and returns the attention output ``[B, Hq, T, d]``.
+
+The default implementation (every device) is the plain-PyTorch reference in ``kernels/``; the
+Triton kernels register themselves for CUDA on top (``kernels/triton_*``) when Triton and a GPU are
+present. Fake implementations run the same shape checks so a bad rewrite fails while tracing.
+Argument meanings are in :mod:`oscar_compile.kernels.store` and :mod:`oscar_compile.kernels.attention`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .kernels.attention import attention_reference
+from .kernels.checks import check_attention, check_store
+from .kernels.store import store_reference
+
+CACHE_ARG_NAMES = ("k_codes", "k_meta", "v_codes", "v_meta", "k_sink", "v_sink", "k_ring", "v_ring", "block_table")
+STORE_MUTATED = CACHE_ARG_NAMES[:-1]  # everything but the block table
+
+
+@torch.library.custom_op("oscar::store", mutates_args=STORE_MUTATED)
+def store(
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    k_codes: Tensor,
+    k_meta: Tensor,
+    v_codes: Tensor,
+    v_meta: Tensor,
+    k_sink: Tensor,
+    v_sink: Tensor,
+    k_ring: Tensor,
+    v_ring: Tensor,
+    block_table: Tensor,
+    key_transform: Tensor,
+    key_mean: Tensor,
+    value_transform: Tensor,
+    value_mean: Tensor,
+    key_clip: float,
+    value_clip: float,
+) -> None:
+    store_reference(
+        k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
+        key_transform, key_mean, value_transform, value_mean, key_clip, value_clip,
+    )
+
+
+@store.register_fake
+def _store_fake(
+    k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
+    key_transform, key_mean, value_transform, value_mean, key_clip, value_clip,
+) -> None:
+    cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
+    check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip)
+
+
+@torch.library.custom_op("oscar::attention", mutates_args=())
+def attention(
+    q: Tensor,
+    positions: Tensor,
+    k_codes: Tensor,
+    k_meta: Tensor,
+    v_codes: Tensor,
+    v_meta: Tensor,
+    k_sink: Tensor,
+    v_sink: Tensor,
+    k_ring: Tensor,
+    v_ring: Tensor,
+    block_table: Tensor,
+    query_transform: Tensor,
+    output_transform: Tensor,
+    value_mean: Tensor,
+    attn_mask: Optional[Tensor],
+    is_causal: bool,
+    scale: float,
+) -> Tensor:
+    return attention_reference(
+        q, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
+        query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
+    )
+
+
+@attention.register_fake
+def _attention_fake(
+    q, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
+    query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
+) -> Tensor:
+    cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
+    check_attention(q, positions, cache, query_transform, output_transform, value_mean, attn_mask, scale)
+    return q.new_empty(q.shape)  # contiguous, like the real output

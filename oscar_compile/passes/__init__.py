@@ -1,0 +1,1 @@
+"""FX graph analysis and rewrite for the oscar torch.compile backend."""

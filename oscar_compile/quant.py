@@ -1,0 +1,148 @@
+"""INT2 quantization over the last dimension, and the fixed transforms (Hadamard, identity).
+
+Format (DESIGN.md section 3):
+
+* Asymmetric INT2 per row over groups of ``g`` channels (default ``g = d``: one group per row):
+  ``scale = (max - min) / 3``, ``minimum = min``, codes ``0..3``, ``x_hat = minimum + code * scale``.
+* Codes are packed four to a byte, *quartered*: byte ``i`` of a row holds channels
+  ``i, i + d/4, i + d/2, i + 3d/4`` in bits 0-1, 2-3, 4-5, 6-7, so a kernel unpacks four
+  contiguous ``d/4`` slices with one shift and mask each.
+* ``scale`` and ``minimum`` are rounded to the metadata dtype (fp16 by default) *before* the codes
+  are chosen, so the stored triple is self-consistent and dequantization is reproducible.
+* Rounding is ``floor((x - minimum) / scale + 0.5)`` clamped to ``[0, 3]`` (what the kernels do).
+* Optional clipping: each row is clamped to ``+-t`` with ``t`` the ``clip_ratio`` quantile of its
+  ``|x|`` (linear interpolation between order statistics, as ``torch.quantile``), before min/max.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "pack_int2",
+    "unpack_int2",
+    "clip_rows",
+    "quantize_int2",
+    "dequantize_int2",
+    "hadamard_matrix",
+    "identity_matrix",
+    "bits_per_element",
+]
+
+_INT2_LEVELS = 3  # codes 0..3
+
+
+def _check_head_dim(d: int, group_size: int | None) -> int:
+    if d % 4 != 0:
+        raise ValueError(f"INT2 packing needs the last dimension divisible by 4, got {d}")
+    g = d if group_size is None else int(group_size)
+    if g <= 0 or d % g != 0:
+        raise ValueError(f"group_size must divide the last dimension {d}, got {group_size}")
+    return g
+
+
+def pack_int2(codes: torch.Tensor) -> torch.Tensor:
+    """Pack integer codes in ``[0, 3]`` (last dim ``d``) into uint8 ``[..., d/4]``, quartered."""
+    d = codes.shape[-1]
+    _check_head_dim(d, None)
+    c = codes.to(torch.uint8)
+    q = d // 4
+    return c[..., 0:q] | (c[..., q : 2 * q] << 2) | (c[..., 2 * q : 3 * q] << 4) | (c[..., 3 * q :] << 6)
+
+
+def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int2`: uint8 ``[..., d/4]`` -> uint8 codes ``[..., d]``."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed INT2 codes must be uint8, got {packed.dtype}")
+    return torch.cat([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1)
+
+
+def clip_rows(x: torch.Tensor, clip_ratio: float | None) -> torch.Tensor:
+    """Clamp each row (last dim) to ``+-t``, ``t`` the ``clip_ratio`` quantile of its ``|x|``.
+
+    ``None`` or ``>= 1`` leaves ``x`` unchanged. Sort-based so it has no size limit
+    (``torch.quantile`` refuses more than 2**24 elements) and matches the kernels' formula.
+    """
+    if clip_ratio is None or clip_ratio >= 1.0:
+        return x
+    if not 0.0 < clip_ratio < 1.0:
+        raise ValueError(f"clip_ratio must be in (0, 1], got {clip_ratio}")
+    d = x.shape[-1]
+    sorted_abs = x.abs().sort(dim=-1).values
+    pos = clip_ratio * (d - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, d - 1)
+    frac = pos - lo
+    t = sorted_abs[..., lo] + frac * (sorted_abs[..., hi] - sorted_abs[..., lo])
+    t = t.unsqueeze(-1)
+    return torch.minimum(torch.maximum(x, -t), t)
+
+
+def quantize_int2(
+    x: torch.Tensor,
+    group_size: int | None = None,
+    clip_ratio: float | None = None,
+    meta_dtype: torch.dtype = torch.float16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x [..., d]`` to packed INT2.
+
+    Returns ``(codes, scale, minimum)``: ``codes`` uint8 ``[..., d/4]`` (quartered packing),
+    ``scale`` and ``minimum`` in ``meta_dtype`` with shape ``[..., d/g]``.
+    """
+    if not x.is_floating_point():
+        raise TypeError(f"quantize_int2 needs a floating-point tensor, got {x.dtype}")
+    d = x.shape[-1]
+    g = _check_head_dim(d, group_size)
+    xf = clip_rows(x.float(), clip_ratio)
+    grouped = xf.unflatten(-1, (d // g, g))
+    mn = grouped.amin(dim=-1)
+    mx = grouped.amax(dim=-1)
+    scale = ((mx - mn) / _INT2_LEVELS).to(meta_dtype)
+    minimum = mn.to(meta_dtype)
+    s32, m32 = scale.float().unsqueeze(-1), minimum.float().unsqueeze(-1)
+    inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
+    codes = torch.floor((grouped - m32) * inv + 0.5).clamp_(0, _INT2_LEVELS)
+    return pack_int2(codes.flatten(-2).to(torch.uint8)), scale, minimum
+
+
+def dequantize_int2(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    group_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_int2` (up to quantization error): returns ``[..., d]``."""
+    c = unpack_int2(codes)
+    d = c.shape[-1]
+    g = _check_head_dim(d, group_size)
+    if scale.shape[-1] != d // g or minimum.shape[-1] != d // g:
+        raise ValueError(
+            f"scale/minimum need last dim d/g = {d // g}, got {tuple(scale.shape)} / {tuple(minimum.shape)}"
+        )
+    grouped = c.unflatten(-1, (d // g, g)).float()
+    x = grouped * scale.float().unsqueeze(-1) + minimum.float().unsqueeze(-1)
+    return x.flatten(-2).to(dtype)
+
+
+def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """Normalized Sylvester Hadamard matrix ``H`` (``H @ H.T = I``), ``d`` a power of two."""
+    if d <= 0 or d & (d - 1):
+        raise ValueError(f"Hadamard needs a power-of-two size, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(d)).to(dtype=dtype, device=device)
+
+
+def identity_matrix(d: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    return torch.eye(d, dtype=dtype, device=device)
+
+
+def bits_per_element(head_dim: int, group_size: int | None = None, meta_dtype: torch.dtype = torch.float16) -> float:
+    """Bits per stored element of the INT2 page format: 2 code bits + (scale, min) per group."""
+    g = _check_head_dim(head_dim, group_size)
+    meta_bits = 2 * torch.finfo(meta_dtype).bits
+    return 2.0 + meta_bits / g

@@ -1,0 +1,207 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import oscar_compile  # noqa: F401  (registers torch.ops.oscar)
+from oscar_compile import PagedInt2KVCache
+from oscar_compile.testing import CacheOracle, random_transforms, rel_error
+
+
+def _store_args(cache, layer, k, v, pos):
+    tr = cache.transforms[layer]
+    return (k, v, pos, *cache.layers[layer].tensors(), cache.block_table, tr.key_transform, tr.key_mean,
+            tr.value_transform, tr.value_mean, tr.key_clip, tr.value_clip)
+
+
+def _attn_args(cache, layer, q, pos, mask=None, causal=False):
+    tr = cache.transforms[layer]
+    return (q, pos, *cache.layers[layer].tensors(), cache.block_table, tr.query_transform, tr.output_transform,
+            tr.value_mean, mask, causal, q.shape[-1] ** -0.5)
+
+
+def _filled_cache(gen, h=2, d=16, lengths=(21, 9), **kw):
+    kw = {"max_seq_len": 64, "num_sinks": 3, "window": 5, "page_size": 4, "max_batch_size": len(lengths), **kw}
+    cache = PagedInt2KVCache(1, h, d, **kw)
+    cache.set_transforms(0, random_transforms(h, d, "orthogonal", gen, clip=0.9))
+    t = max(lengths)
+    pos = torch.stack([torch.where(torch.arange(t) < n, torch.arange(t), -1) for n in lengths])
+    for row, n in enumerate(lengths):
+        cache.allocate(row, n)
+    k, v = (torch.randn(len(lengths), h, t, d, generator=gen) for _ in range(2))
+    cache.store(0, k, v, pos)
+    return cache, pos
+
+
+def test_opcheck_store_and_attention():
+    gen = torch.Generator().manual_seed(0)
+    cache, pos = _filled_cache(gen)
+    b, h, d = 2, 2, 16
+    k, v = (torch.randn(b, h, 1, d, generator=gen) for _ in range(2))
+    step = pos.max(dim=1, keepdim=True).values + 1
+    for row in range(b):
+        cache.allocate(row, int(step[row]) + 1)
+    torch.library.opcheck(torch.ops.oscar.store.default, _store_args(cache, 0, k, v, step))
+    q = torch.randn(b, 3 * h, 1, d, generator=gen)
+    torch.library.opcheck(torch.ops.oscar.attention.default, _attn_args(cache, 0, q, step))
+    q = torch.randn(b, 3 * h, 4, d, generator=gen)
+    qpos = torch.stack([torch.arange(4) + int(step[r]) - 3 for r in range(b)])
+    mask = torch.rand(b, 1, 4, 40, generator=gen) > 0.3
+    torch.library.opcheck(torch.ops.oscar.attention.default, _attn_args(cache, 0, q, qpos, mask, True))
+
+
+def test_store_declares_exactly_what_it_mutates():
+    schema = torch.ops.oscar.store.default._schema
+    mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert mutated == {"k_codes", "k_meta", "v_codes", "v_meta", "k_sink", "v_sink", "k_ring", "v_ring"}
+    assert not any(a.alias_info is not None for a in torch.ops.oscar.attention.default._schema.arguments)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("gqa", [1, 3, 6])
+def test_attention_matches_float64_oracle_over_prefill_and_300_decode_steps(d, gqa):
+    gen = torch.Generator().manual_seed(d * 10 + gqa)
+    h, s, w, ps = 2, 5, 24, 16
+    prefill = [37, 3, 70]  # not multiples of the page size; different per row
+    steps = 300
+    cache = PagedInt2KVCache(1, h, d, max_batch_size=3, max_seq_len=400, num_sinks=s, window=w, page_size=ps,
+                             dtype=torch.float32, meta_dtype=torch.float16)
+    kind = ["orthogonal", "invertible", "identity"][d % 3]
+    cache.set_transforms(0, random_transforms(h, d, kind, gen, clip=0.95 if gqa == 3 else 1.0))
+    oracle = CacheOracle(cache)
+    scale = d**-0.5
+    t = max(prefill)
+    pos = torch.stack([torch.where(torch.arange(t) < n, torch.arange(t), -1) for n in prefill])
+    k, v = torch.randn(3, h, t, d, generator=gen), torch.randn(3, h, t, d, generator=gen) * 2 + 0.5
+    q = torch.randn(3, h * gqa, t, d, generator=gen)
+    for row, n in enumerate(prefill):
+        cache.allocate(row, n)
+        oracle.append(row, k[row, :, :n], v[row, :, :n])
+    cache.store(0, k, v, pos)
+    out = cache.attention(0, q, pos, is_causal=True, scale=scale)
+    for row, n in enumerate(prefill):
+        ref = oracle.attention(row, q[row, :, :n], torch.arange(n), scale)
+        assert rel_error(out[row, :, :n], ref) < 1e-3
+        assert (out[row, :, n:] == 0).all()  # padding queries
+    lengths = list(prefill)
+    worst = 0.0
+    for _ in range(steps):
+        pos = torch.tensor(lengths)[:, None]
+        for row, n in enumerate(lengths):
+            cache.allocate(row, n + 1)
+        k, v = torch.randn(3, h, 1, d, generator=gen), torch.randn(3, h, 1, d, generator=gen)
+        q = torch.randn(3, h * gqa, 1, d, generator=gen)
+        cache.store(0, k, v, pos)
+        out = cache.attention(0, q, pos, scale=scale)
+        for row in range(3):
+            oracle.append(row, k[row], v[row])
+            worst = max(worst, rel_error(out[row], oracle.attention(row, q[row], pos[row], scale)))
+        lengths = [n + 1 for n in lengths]
+    assert min(lengths) > s + w + ps  # every row crossed from ring into several pages
+    assert worst < 1e-3, worst
+
+
+def test_default_sinks_and_window_cross_into_pages():
+    gen = torch.Generator().manual_seed(7)
+    h, d = 1, 64
+    cache = PagedInt2KVCache(1, h, d, max_seq_len=420, dtype=torch.float32)  # 64 sinks, 256 window
+    cache.set_transforms(0, random_transforms(h, d, "orthogonal", gen))
+    oracle = CacheOracle(cache)
+    n = 20
+    cache.allocate(0, n)
+    k, v = torch.randn(1, h, n, d, generator=gen), torch.randn(1, h, n, d, generator=gen)
+    cache.store(0, k, v, torch.arange(n))
+    oracle.append(0, k[0], v[0])
+    worst = 0.0
+    for p in range(n, 400):
+        cache.allocate(0, p + 1)
+        k, v, q = (torch.randn(1, h, 1, d, generator=gen) for _ in range(3))
+        cache.store(0, k, v, torch.tensor([p]))
+        oracle.append(0, k[0], v[0])
+        out = cache.attention(0, q, torch.tensor([p]))
+        worst = max(worst, rel_error(out[0], oracle.attention(0, q[0], torch.tensor([p]), d**-0.5)))
+    assert cache.pages_for(400) == 5 and worst < 1e-3
+
+
+def test_chunked_prefill_gives_the_same_cache_as_one_shot():
+    gen = torch.Generator().manual_seed(11)
+    h, d, n = 2, 32, 90
+    k, v = torch.randn(1, h, n, d, generator=gen), torch.randn(1, h, n, d, generator=gen)
+    tr = random_transforms(h, d, "orthogonal", gen, clip=0.9)
+    caches = []
+    for chunks in ([n], [10, 1, 33, 46], [1] * n):
+        cache = PagedInt2KVCache(1, h, d, max_seq_len=128, num_sinks=4, window=16, page_size=8)  # bf16 ring
+        cache.set_transforms(0, tr)
+        cache.allocate(0, n)
+        start = 0
+        for c in chunks:
+            cache.store(0, k[:, :, start : start + c], v[:, :, start : start + c], torch.arange(start, start + c))
+            start += c
+        caches.append(cache)
+    for other in caches[1:]:
+        for a, b in zip(caches[0].layers[0].tensors(), other.layers[0].tensors()):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["orthogonal", "invertible"])
+def test_transforms_are_exact_without_quantization(kind):
+    """With every token in the (fp32) ring, any transform pair and any means leave attention unchanged."""
+    gen = torch.Generator().manual_seed(5)
+    h, gqa, d, n = 2, 3, 64, 50
+    k, v = torch.randn(2, h, n, d, generator=gen), torch.randn(2, h, n, d, generator=gen)
+    q = torch.randn(2, h * gqa, n, d, generator=gen)
+    outs = []
+    for transforms in ("identity", kind):
+        cache = PagedInt2KVCache(1, h, d, max_batch_size=2, max_seq_len=n, quantize=False, dtype=torch.float32)
+        cache.set_transforms(0, random_transforms(h, d, transforms, gen))
+        cache.store(0, k, v, torch.arange(n))
+        outs.append(cache.attention(0, q, torch.arange(n), is_causal=True))
+    sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(gqa, 1), v.repeat_interleave(gqa, 1), is_causal=True)
+    assert rel_error(outs[0], sdpa) < 1e-5
+    # fp32 products with matrices of condition number <= 16 and their inverses: ~1e-6 relative
+    assert rel_error(outs[1], sdpa) < 1e-4
+
+
+def test_boolean_and_additive_masks_match_sdpa():
+    gen = torch.Generator().manual_seed(6)
+    h, gqa, d, n, lk = 2, 2, 32, 12, 20
+    k, v = torch.randn(2, h, n, d, generator=gen), torch.randn(2, h, n, d, generator=gen)
+    q = torch.randn(2, h * gqa, n, d, generator=gen)
+    keep = torch.rand(2, 1, n, lk, generator=gen) > 0.4
+    keep[..., 0] = True  # every query sees at least one key
+    cache = PagedInt2KVCache(1, h, d, max_batch_size=2, max_seq_len=lk, quantize=False, dtype=torch.float32)
+    cache.store(0, k, v, torch.arange(n))
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(gqa, 1), v.repeat_interleave(gqa, 1), attn_mask=keep[..., :n])
+    out_bool = cache.attention(0, q, torch.arange(n), attn_mask=keep)
+    additive = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    out_add = cache.attention(0, q, torch.arange(n), attn_mask=additive)
+    assert rel_error(out_bool, ref) < 1e-5 and rel_error(out_add, ref) < 1e-5
+
+
+def test_bad_inputs_give_clear_errors():
+    gen = torch.Generator().manual_seed(9)
+    cache, pos = _filled_cache(gen)
+    k = torch.randn(2, 2, 1, 16, generator=gen)
+    with pytest.raises(TypeError, match="floating"):
+        cache.store(0, k.to(torch.int32), k, pos[:, :1])
+    with pytest.raises(ValueError, match="heads of dim"):
+        cache.store(0, k[:, :1], k[:, :1], pos[:, :1])
+    with pytest.raises(ValueError, match="positions"):
+        cache.store(0, k, k, torch.tensor([[0, 1], [0, 1]]))
+    with pytest.raises(TypeError, match="positions must be int"):
+        cache.store(0, k, k, torch.zeros(2, 1))
+    with pytest.raises(ValueError, match="consecutive"):
+        cache.store(0, torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), torch.tensor([0, 1, 3]))
+    with pytest.raises(ValueError, match="non-finite"):
+        cache.store(0, k * float("nan"), k, pos[:, :1])
+    with pytest.raises(ValueError, match="not a multiple"):
+        cache.attention(0, torch.randn(2, 3, 1, 16), pos[:, :1])
+    with pytest.raises(ValueError, match="head_dim"):
+        cache.attention(0, torch.randn(2, 4, 1, 8), pos[:, :1])
+    with pytest.raises(ValueError, match="attn_mask covers 5 keys"):
+        cache.attention(0, torch.randn(2, 4, 1, 16), torch.tensor([[20], [8]]), attn_mask=torch.ones(2, 1, 1, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="bool or floating"):
+        cache.attention(0, torch.randn(2, 4, 1, 16), pos[:, :1], attn_mask=torch.ones(2, 1, 1, 30, dtype=torch.int64))
+    with pytest.raises(ValueError, match="scale"):
+        cache.attention(0, torch.randn(2, 4, 1, 16), pos[:, :1], scale=-1.0)
+    with pytest.raises(ValueError, match="batch 3 exceeds"):
+        cache.store(0, torch.randn(3, 2, 1, 16), torch.randn(3, 2, 1, 16), torch.zeros(1, dtype=torch.long))
