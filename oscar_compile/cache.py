@@ -311,14 +311,21 @@ class PagedInt2KVCache:
         layer: int,
         q: torch.Tensor,
         positions: torch.Tensor,
+        seq_lens: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
         is_causal: bool = False,
         scale: float | None = None,
     ) -> torch.Tensor:
-        """Attention of ``q [B, q_heads, T, d]`` at ``positions`` over this layer's cache."""
+        """Attention of ``q [B, q_heads, T, d]`` at ``positions`` over this layer's cache.
+
+        ``seq_lens [B]`` (tokens stored per row) defaults to each row's newest query position + 1,
+        right for self-attention right after ``store`` of the same positions.
+        """
         tr = self.transforms[layer]
         scale = self.head_dim**-0.5 if scale is None else float(scale)
-        return ops.attention(q, positions, *self._op_args(layer), tr.query_transform, tr.output_transform,
+        if seq_lens is None:
+            seq_lens = (positions.amax(dim=-1) + 1).clamp(min=0).reshape(-1)
+        return ops.attention(q, positions, seq_lens, *self._op_args(layer), tr.query_transform, tr.output_transform,
                              tr.value_mean, attn_mask, is_causal, scale)
 
     def reset(self) -> None:

@@ -64,6 +64,7 @@ def _store_fake(
 def attention(
     q: Tensor,
     positions: Tensor,
+    seq_lens: Tensor,
     k_codes: Tensor,
     k_meta: Tensor,
     v_codes: Tensor,
@@ -81,16 +82,16 @@ def attention(
     scale: float,
 ) -> Tensor:
     return attention_reference(
-        q, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
+        q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
         query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
     )
 
 
 @attention.register_fake
 def _attention_fake(
-    q, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
+    q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
     query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
 ) -> Tensor:
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
-    check_attention(q, positions, cache, query_transform, output_transform, value_mean, attn_mask, scale)
+    check_attention(q, positions, seq_lens, cache, query_transform, output_transform, value_mean, attn_mask, scale)
     return q.new_empty(q.shape)  # contiguous, like the real output

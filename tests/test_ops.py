@@ -15,7 +15,8 @@ def _store_args(cache, layer, k, v, pos):
 
 def _attn_args(cache, layer, q, pos, mask=None, causal=False):
     tr = cache.transforms[layer]
-    return (q, pos, *cache.layers[layer].tensors(), cache.block_table, tr.query_transform, tr.output_transform,
+    seq_lens = (pos.amax(-1) + 1).reshape(-1)
+    return (q, pos, seq_lens, *cache.layers[layer].tensors(), cache.block_table, tr.query_transform, tr.output_transform,
             tr.value_mean, mask, causal, q.shape[-1] ** -0.5)
 
 
@@ -175,6 +176,23 @@ def test_boolean_and_additive_masks_match_sdpa():
     additive = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
     out_add = cache.attention(0, q, torch.arange(n), attn_mask=additive)
     assert rel_error(out_bool, ref) < 1e-5 and rel_error(out_add, ref) < 1e-5
+    # A mask over a shorter key view hides the keys past it (what SDPA over that view computes).
+    short = keep[..., :7]
+    ref_short = F.scaled_dot_product_attention(q, k[:, :, :7].repeat_interleave(gqa, 1), v[:, :, :7].repeat_interleave(gqa, 1), attn_mask=short)
+    assert rel_error(cache.attention(0, q, torch.arange(n), attn_mask=short), ref_short) < 1e-5
+
+
+def test_causal_positions_are_separate_from_cache_length():
+    """SDPA's top-left ``is_causal`` over the first T keys of a longer cache: positions arange(T), seq_lens L."""
+    gen = torch.Generator().manual_seed(12)
+    h, d, n, t = 2, 32, 15, 6
+    k, v = torch.randn(1, h, n, d, generator=gen), torch.randn(1, h, n, d, generator=gen)
+    q = torch.randn(1, h, t, d, generator=gen)
+    cache = PagedInt2KVCache(1, h, d, max_seq_len=n, quantize=False, dtype=torch.float32)
+    cache.store(0, k, v, torch.arange(n))
+    out = cache.attention(0, q, torch.arange(t), seq_lens=torch.tensor([n]), is_causal=True)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # top-left: query i sees keys <= i
+    assert rel_error(out, ref) < 1e-5
 
 
 def test_bad_inputs_give_clear_errors():
@@ -197,8 +215,10 @@ def test_bad_inputs_give_clear_errors():
         cache.attention(0, torch.randn(2, 3, 1, 16), pos[:, :1])
     with pytest.raises(ValueError, match="head_dim"):
         cache.attention(0, torch.randn(2, 4, 1, 8), pos[:, :1])
-    with pytest.raises(ValueError, match="attn_mask covers 5 keys"):
-        cache.attention(0, torch.randn(2, 4, 1, 16), torch.tensor([[20], [8]]), attn_mask=torch.ones(2, 1, 1, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="seq_lens"):
+        cache.attention(0, torch.randn(2, 4, 1, 16), pos[:, :1], seq_lens=torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="outside"):
+        cache.attention(0, torch.randn(2, 4, 1, 16), pos[:, :1], seq_lens=torch.tensor([1, 1000]))
     with pytest.raises(TypeError, match="bool or floating"):
         cache.attention(0, torch.randn(2, 4, 1, 16), pos[:, :1], attn_mask=torch.ones(2, 1, 1, 30, dtype=torch.int64))
     with pytest.raises(ValueError, match="scale"):

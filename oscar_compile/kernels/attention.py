@@ -1,17 +1,19 @@
 """``oscar::attention``: attention of new queries over the paged INT2 cache (sink + pages + ring).
 
-Semantics, per sequence row ``b`` (``positions[b, t]`` is query ``t``'s absolute position):
+Semantics, per sequence row ``b``:
 
-* The row's history length is ``L_b = max_t positions[b, t] + 1`` (the queries include the newest
-  stored token, as in self-attention after the cache write). Key ``j < L_b`` is read from the sink
-  (``j < S``), the ring (``j >= max(S, L_b - W)``) or its INT2 page (dequantized), all in the
-  transformed basis.
+* ``seq_lens[b] = L_b`` is the number of tokens stored in the row (what the last ``store`` left:
+  its newest position + 1). Key ``j < L_b`` is read from the sink (``j < S``), the ring
+  (``j >= max(S, L_b - W)``) or its INT2 page (dequantized), all in the transformed basis. Keys
+  ``j >= L_b`` do not exist.
+* ``positions[b, t]`` is query ``t``'s position, used only for ``is_causal`` (key ``j`` visible iff
+  ``j <= positions[b, t]``) and for padding (a negative position returns zeros).
 * The query is transformed ``q' = q B_q`` (``B_q`` of its KV head; GQA: query head ``h`` reads KV
-  head ``h // (Hq / Hkv)``), scores ``s = scale * q'.k'``; optional ``is_causal`` keeps keys
-  ``j <= positions[b, t]``; an optional ``attn_mask`` (bool: True keeps, or additive float,
-  broadcastable to ``[B, Hq, T, Lk]`` with ``Lk >= L_b``) indexes *logical* key positions.
-* Output ``o = softmax(s) V' B_o + mu_v`` in the query's dtype. A padding query (negative
-  position) or a query with no visible key returns zeros (SDPA would return NaN there).
+  head ``h // (Hq / Hkv)``), scores ``s = scale * q'.k'``. An optional ``attn_mask`` (bool: True
+  keeps, or additive float), broadcastable to ``[B, Hq, T, Lk]``, indexes *logical* key positions;
+  keys ``j >= Lk`` are not visible (so a mask over a shorter key view means what SDPA means).
+* Output ``o = softmax(s) V' B_o + mu_v`` in the query's dtype. A padding query or a query with no
+  visible key returns zeros (SDPA would return NaN there).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def gather_history(
 def attention_reference(
     q: torch.Tensor,
     positions: torch.Tensor,
+    seq_lens: torch.Tensor,
     k_codes: torch.Tensor,
     k_meta: torch.Tensor,
     v_codes: torch.Tensor,
@@ -78,19 +81,20 @@ def attention_reference(
 ) -> torch.Tensor:
     """Plain-PyTorch ``oscar::attention`` (the CPU implementation and the test oracle)."""
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
-    geo = check_attention(q, positions, cache, query_transform, output_transform, value_mean, attn_mask, scale)
+    geo = check_attention(q, positions, seq_lens, cache, query_transform, output_transform, value_mean, attn_mask, scale)
     b, hq, t, d = q.shape
     h = geo.num_kv_heads
     g = hq // h
     pos = positions.long().expand(b, t) if positions.dim() == 1 else positions.long()
-    lengths = (pos.max(dim=1).values + 1).clamp(min=0)
+    lengths = seq_lens.long().expand(b)
+    capacity = geo.num_sinks + geo.window + geo.max_pages * geo.page_size
+    if b and (int(lengths.min()) < 0 or int(lengths.max()) > capacity):
+        raise ValueError(f"oscar: seq_lens {lengths.tolist()} outside [0, {capacity}] (the cache capacity per row)")
     max_len = int(lengths.max()) if b else 0
     out = torch.zeros(b, h, g, t, d, dtype=torch.float32, device=q.device)
     has_key = torch.zeros(b, h, g, t, dtype=torch.bool, device=q.device)
     if max_len == 0:
         return out.reshape(b, hq, t, d).to(q.dtype)
-    if attn_mask is not None and attn_mask.shape[-1] < max_len:
-        raise ValueError(f"oscar: attn_mask covers {attn_mask.shape[-1]} keys but the cache holds {max_len}")
 
     keys = gather_history(geo, k_codes, k_meta, k_sink, k_ring, block_table, lengths, max_len)
     values = gather_history(geo, v_codes, v_meta, v_sink, v_ring, block_table, lengths, max_len)
@@ -100,7 +104,11 @@ def attention_reference(
     mask = None
     if attn_mask is not None:
         mask = attn_mask[..., :max_len]
-        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(b, hq, t, max_len)
+        covered = mask.shape[-1]
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(b, hq, t, covered)
+        if covered < max_len:  # keys past the mask are not visible
+            pad = (False if mask.dtype == torch.bool else float("-inf"))
+            mask = torch.cat([mask, mask.new_full((b, hq, t, max_len - covered), pad)], dim=-1)
         mask = mask.reshape(b, h, g, t, max_len)
 
     for t0 in range(0, t, _QUERY_CHUNK):

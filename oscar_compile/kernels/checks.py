@@ -129,7 +129,7 @@ def check_store(k, v, positions, cache_tensors, key_transform, key_mean, value_t
     return geo
 
 
-def check_attention(q, positions, cache_tensors, query_transform, output_transform, value_mean, attn_mask, scale):
+def check_attention(q, positions, seq_lens, cache_tensors, query_transform, output_transform, value_mean, attn_mask, scale):
     geo = check_cache(*cache_tensors)
     if q.dim() != 4 or not q.is_floating_point():
         _fail(f"q must be a floating [batch, q_heads, tokens, head_dim] tensor, got {q.dtype} {tuple(q.shape)}")
@@ -141,6 +141,8 @@ def check_attention(q, positions, cache_tensors, query_transform, output_transfo
     if b > geo.batch_capacity:
         _fail(f"batch {b} exceeds the cache's {geo.batch_capacity} rows")
     check_positions(positions, b, t)
+    if seq_lens.dtype not in (torch.int32, torch.int64) or seq_lens.dim() != 1 or seq_lens.shape[0] not in (1, b):
+        _fail(f"seq_lens must be an int32/int64 tensor [batch={b}] (or [1]), got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     check_transforms(geo, query_transform=query_transform, output_transform=output_transform, value_mean=value_mean)
     if attn_mask is not None:
         if attn_mask.dim() > 4:
