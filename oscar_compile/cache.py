@@ -25,7 +25,7 @@ import torch
 
 from . import ops
 from .kernels.store import CacheCapacityError
-from .quant import bits_per_element
+from .quant import bits_per_element, hadamard_matrix
 
 __all__ = ["LayerTransforms", "LayerKV", "PagedInt2KVCache", "MemoryReport", "CacheCapacityError"]
 
@@ -55,6 +55,14 @@ class LayerTransforms:
         eye = torch.eye(head_dim, device=device).expand(num_kv_heads, head_dim, head_dim).contiguous()
         zero = torch.zeros(num_kv_heads, head_dim, device=device)
         return cls(eye, eye.clone(), eye.clone(), eye.clone(), zero, zero.clone())
+
+    @classmethod
+    def hadamard(cls, num_kv_heads: int, head_dim: int, device=None) -> "LayerTransforms":
+        """Keys and values rotated by the normalized Hadamard (QuaRot-style); no means, no clipping."""
+        h = hadamard_matrix(head_dim, device=device).expand(num_kv_heads, head_dim, head_dim).contiguous()
+        zero = torch.zeros(num_kv_heads, head_dim, device=device)
+        # H is symmetric and orthogonal: query matrix H^-T = H, output matrix H^-1 = H.
+        return cls(h, h.clone(), h.clone(), h.clone(), zero, zero.clone())
 
     @classmethod
     def from_matrices(

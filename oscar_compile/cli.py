@@ -61,6 +61,40 @@ def _demo_random(args) -> int:
     return 0
 
 
+def _load_for_cli(name: str):
+    """A model by name: a known packaged model, a checkpoint dir, a .gguf, or ``tiny:<family>`` (random)."""
+    if name.startswith("tiny:"):
+        from .testing import tiny_model
+
+        return tiny_model(name.split(":", 1)[1]), None
+    from .assets import load_model
+
+    return load_model(name)
+
+
+def _explain(args) -> int:
+    import torch
+
+    from .explainer import explain
+
+    model, tok = _load_for_cli(args.model)
+    if tok is not None:
+        ids = tok(args.prompt, return_tensors="pt").input_ids
+    else:
+        ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+    report = explain(model, ids, max_new_tokens=args.new_tokens, cache=args.cache)
+    print(report.summary())
+    layers = getattr(model.config, "num_hidden_layers", None)
+    for g in report.graphs:
+        print(f"graph {g.index}: {len(g.rewritten)}/{layers} layers rewritten")
+    if args.diff:
+        print(report.diff())
+    if args.graphs:
+        for g in report.graphs:
+            print(f"=== graph {g.index} before\n{g.before}\n=== graph {g.index} after\n{g.after}")
+    return 0 if report.num_rewritten else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="oscar", description="2-bit KV-cache quantization for LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--page-size", type=int, default=16)
     mem.add_argument("--group-size", type=int, default=None)
     mem.set_defaults(func=_memory)
+
+    exp = sub.add_parser("explain", help="show which attention calls and cache writes oscar rewrites, and why not")
+    exp.add_argument("--model", default="smollm2-135m", help="packaged model name, checkpoint dir, .gguf, or tiny:<family>")
+    exp.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog.")
+    exp.add_argument("--cache", default="oscar", choices=["oscar", "static", "dynamic"])
+    exp.add_argument("--new-tokens", type=int, default=1, help="decode steps after the prefill (each shape is a graph)")
+    exp.add_argument("--diff", action="store_true", help="print the graphs before/after as a unified diff")
+    exp.add_argument("--graphs", action="store_true", help="print the full graphs before and after")
+    exp.set_defaults(func=_explain)
 
     args = parser.parse_args(argv)
     return args.func(args)

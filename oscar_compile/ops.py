@@ -95,3 +95,27 @@ def _attention_fake(
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
     check_attention(q, positions, seq_lens, cache, query_transform, output_transform, value_mean, attn_mask, scale)
     return q.new_empty(q.shape)  # contiguous, like the real output
+
+
+class UnrewrittenCacheError(RuntimeError):
+    """A graph read an OscarCache tensor that oscar_backend did not rewrite (it holds no data)."""
+
+
+@torch.library.custom_op("oscar::cache_read_guard", mutates_args=())
+def cache_read_guard(x: Tensor) -> Tensor:
+    """Marks a read of an :class:`~oscar_compile.OscarCache` key/value stub.
+
+    The oscar backend removes it together with the attention it feeds. If it ever runs, the stub
+    (which owns no memory) was about to be read as if it held the cache: fail loudly instead.
+    """
+    raise UnrewrittenCacheError(
+        "oscar: a graph read an OscarCache key/value tensor that was not rewritten by oscar_backend. OscarCache keeps "
+        "its tokens in INT2 pages that only compiled graphs can reach: compile the model with "
+        "model.compile(backend=oscar_backend(...)) (or oscar_compile.compile(model)) and check `oscar explain` for "
+        "attention calls that were not matched."
+    )
+
+
+@cache_read_guard.register_fake
+def _cache_read_guard_fake(x):
+    return x.new_empty(x.shape)

@@ -89,3 +89,157 @@ class CacheOracle:
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     ref = ref.double()
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------- models for tests
+class TinyDecoder(torch.nn.Module):
+    """A small decoder that is *not* transformers code, written the gpt-fast way.
+
+    It keeps its own KV buffers ``[batch, kv_heads, max_len, head_dim]`` written with
+    ``cache[:, :, input_pos] = k``, builds a boolean causal mask by indexing a mask buffer with the
+    positions, applies its own RoPE and expands GQA with ``repeat_interleave``. With
+    ``reference`` set to a :class:`PagedInt2KVCache` it calls the oscar ops directly instead (the
+    oracle for the compiled model).
+    """
+
+    def __init__(self, vocab: int = 97, dim: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                 max_len: int = 64, batch: int = 2, seed: int = 0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.embed = torch.nn.Parameter(torch.randn(vocab, dim, generator=gen) * 0.5)
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(layers):
+            blk = torch.nn.Module()
+            for name, shape in (("wq", (dim, dim)), ("wk", (kv_heads * self.head_dim, dim)),
+                                ("wv", (kv_heads * self.head_dim, dim)), ("wo", (dim, dim)),
+                                ("w1", (2 * dim, dim)), ("w2", (dim, 2 * dim))):
+                setattr(blk, name, torch.nn.Parameter(torch.randn(*shape, generator=gen) / shape[1] ** 0.5))
+            blk.register_buffer("k_cache", torch.zeros(batch, kv_heads, max_len, self.head_dim))
+            blk.register_buffer("v_cache", torch.zeros(batch, kv_heads, max_len, self.head_dim))
+            self.blocks.append(blk)
+        self.register_buffer("causal", torch.ones(max_len, max_len, dtype=torch.bool).tril())
+        inv = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+        self.register_buffer("inv_freq", inv)
+        self.reference: PagedInt2KVCache | None = None
+
+    def _rope(self, x, pos):
+        ang = pos.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rot * sin
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        b, t = tokens.shape
+        x = self.embed[tokens]
+        mask = self.causal[None, None, input_pos]  # [1, 1, T, max_len]
+        rep = self.heads // self.kv_heads
+        for i, blk in enumerate(self.blocks):
+            h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
+            q = (h @ blk.wq.T).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+            k = (h @ blk.wk.T).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = (h @ blk.wv.T).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = self._rope(q, input_pos), self._rope(k, input_pos)
+            if self.reference is not None:
+                self.reference.store(i, k, v, input_pos)
+                o = self.reference.attention(i, q, input_pos, attn_mask=mask)
+            else:
+                blk.k_cache[:, :, input_pos] = k
+                blk.v_cache[:, :, input_pos] = v
+                kk = blk.k_cache.repeat_interleave(rep, dim=1)
+                vv = blk.v_cache.repeat_interleave(rep, dim=1)
+                o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+            x = x + o.transpose(1, 2).reshape(b, t, -1) @ blk.wo.T
+            h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
+            x = x + torch.nn.functional.silu(h @ blk.w1.T) @ blk.w2.T
+        return x @ self.embed.T
+
+
+def reference_attention(cache: PagedInt2KVCache):
+    """A transformers attention function that calls the oscar ops on ``cache`` directly.
+
+    Register it (``AttentionInterface.register(name, fn)``) and run the model eagerly with a
+    ``DynamicCache``: the keys/values it receives hold the whole history, the last ``T`` are new.
+    """
+
+    def attention_fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs):
+        t, length = query.shape[2], key.shape[2]
+        positions = torch.arange(length - t, length, device=query.device)
+        cache.store(module.layer_idx, key[:, :, -t:], value[:, :, -t:], positions)
+        causal = bool(t > 1 and attention_mask is None and (is_causal if is_causal is not None else module.is_causal))
+        q_pos = torch.arange(t, device=query.device) if causal else positions
+        seq_lens = torch.full((1,), length, device=query.device)
+        out = cache.attention(module.layer_idx, query, q_pos, seq_lens=seq_lens, attn_mask=attention_mask,
+                              is_causal=causal, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention_fn
+
+
+# ----------------------------------------------------------------------------- transformers helpers
+_COMMON = dict(vocab_size=97, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
+               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
+
+
+def tiny_config(family: str):
+    """A small config of a transformers family (random weights; for pass and backend tests only)."""
+    import transformers
+
+    if family == "llama":
+        return transformers.LlamaConfig(**_COMMON)
+    if family == "qwen2":  # attention biases
+        return transformers.Qwen2Config(**_COMMON)
+    if family == "qwen3":  # q/k norms, explicit head_dim
+        return transformers.Qwen3Config(**_COMMON, head_dim=16)
+    if family == "mistral":
+        return transformers.MistralConfig(**_COMMON, sliding_window=None)
+    if family == "gpt2":  # no RoPE, no GQA
+        return transformers.GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=1,
+                                       eos_token_id=2)
+    raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+
+
+def tiny_model(family: str, seed: int = 0, attn_implementation: str = "sdpa"):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation=attn_implementation).eval()
+
+
+def cache_kwarg(model) -> str:
+    """transformers >= 5.2x calls the forward argument ``cache``; older 5.x ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def make_hf_cache(kind: str, model, max_len: int, batch: int):
+    """``kind``: oscar (an OscarCache), static or dynamic."""
+    from transformers import DynamicCache, StaticCache
+
+    from .hf import OscarCache
+
+    if kind == "oscar":
+        return OscarCache(model, max_cache_len=max_len, max_batch_size=batch)
+    if kind == "static":
+        return StaticCache(config=model.config, max_cache_len=max_len)
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    raise ValueError(f"unknown cache kind {kind!r}")
+
+
+@torch.no_grad()
+def prefill_and_decode(model, ids: torch.Tensor, cache, steps: int) -> torch.Tensor:
+    """Logits of a prefill of ``ids`` then ``steps`` greedy decode steps, concatenated over time."""
+    kw = cache_kwarg(getattr(model, "_orig_mod", model))
+    out = model(ids, **{kw: cache}, use_cache=True)
+    logits = [out.logits]
+    tok = out.logits[:, -1:].argmax(-1)
+    for _ in range(steps):
+        out = model(tok, **{kw: cache}, use_cache=True)
+        logits.append(out.logits)
+        tok = out.logits[:, -1:].argmax(-1)
+    return torch.cat(logits, dim=1)

@@ -1,0 +1,248 @@
+"""The torch.compile backend: rewrite attention to the INT2 cache, then hand the graph to Inductor.
+
+    backend = oscar_backend(artifacts)          # or oscar_backend() for a Hadamard fallback rotation
+    model.compile(backend=backend)              # in place, so model.generate() uses it
+    cache = backend.new_cache(model, max_cache_len=4096)   # an OscarCache: no BF16 buffers at all
+    model.generate(ids, past_key_values=cache, max_new_tokens=64)
+
+The backend owns the INT2 storage. Every matched attention is bound to a *slot* named by its layer:
+the layer number in the cache tensor's source path (``...layers[3].keys`` -> layer 3) or, for a
+cache created inside the graph, the order of the attention call. Graphs compiled for prefill and
+for decode therefore share their slots. One backend serves one sequence batch at a time (sequential
+``generate`` calls are fine; two caches interleaved on one backend would share storage).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from .cache import LayerTransforms, PagedInt2KVCache
+from .passes.matcher import AttentionMatch, GraphAnalysis, analyze
+from .passes.rewrite import Rewritten, rewrite
+
+log = logging.getLogger("oscar_compile.backend")
+graph_log = logging.getLogger("oscar_compile.backend.graphs")
+
+ROTATIONS = ("hadamard", "identity")
+
+
+class UnsupportedGraphError(RuntimeError):
+    """A graph that must be rewritten (it reads an OscarCache, or strict mode) could not be."""
+
+
+@dataclass
+class CompiledGraph:
+    """What the backend did to one graph (for :func:`oscar_compile.explain`)."""
+
+    index: int
+    analysis: GraphAnalysis
+    rewritten: list[Rewritten]
+    before: str
+    after: str
+
+    @property
+    def unmatched(self):
+        return self.analysis.unmatched
+
+
+@dataclass
+class BackendOptions:
+    num_sinks: int = 64
+    window: int = 256
+    page_size: int = 16
+    group_size: int | None = None
+    rotation: str = "hadamard"  # fallback when no artifact is given
+    quantize: bool = True  # False: keep every token in the BF16 ring (same code path, no INT2)
+    max_seq_len: int = 4096  # for caches that grow (torch.cat); preallocated caches use their own length
+    cache_dtype: torch.dtype | None = None  # sinks/ring dtype; default: the model's KV dtype
+    meta_dtype: torch.dtype = torch.float16
+    inductor: bool = True  # False: run the rewritten graph eagerly (fast to compile, for tests)
+    strict: bool = False  # raise if any attention call is left unmatched
+    validate: bool = True  # propagate fake tensors through the rewritten graph before compiling
+
+
+class OscarBackend:
+    """A ``torch.compile`` backend; create with :func:`oscar_backend`."""
+
+    def __init__(self, artifacts=None, **options):
+        unknown = set(options) - set(BackendOptions.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"oscar_backend: unknown options {sorted(unknown)}; valid: {sorted(BackendOptions.__dataclass_fields__)}")
+        self.options = BackendOptions(**options)
+        if self.options.rotation not in ROTATIONS:
+            raise ValueError(f"oscar_backend: rotation must be one of {ROTATIONS}, got {self.options.rotation!r}")
+        self.artifacts = artifacts
+        self.storage: dict[tuple, PagedInt2KVCache] = {}
+        self.graphs: list[CompiledGraph] = []
+
+    # ------------------------------------------------------------------ torch.compile entry
+    def __call__(self, gm: fx.GraphModule, example_inputs, **kwargs):
+        mode = kwargs.pop("mode", None)
+        config_patches = dict(kwargs.pop("options", None) or {})
+        kwargs.pop("dynamic", None)
+        kwargs.pop("fullgraph", None)
+        self.transform(gm, example_inputs)
+        if not self.options.inductor:
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        if mode in ("reduce-overhead", "max-autotune") and "triton.cudagraphs" not in config_patches:
+            config_patches["triton.cudagraphs"] = True
+        return compile_fx(gm, example_inputs, config_patches=config_patches or None)
+
+    def transform(self, gm: fx.GraphModule, example_inputs=None) -> CompiledGraph:
+        """Analyze and rewrite ``gm`` in place; returns the record kept in ``self.graphs``."""
+        before = gm.code
+        analysis = analyze(gm)
+        must = [u for u in analysis.unmatched if u.stub]
+        if must or (self.options.strict and analysis.unmatched):
+            bad = must or analysis.unmatched
+            raise UnsupportedGraphError(
+                "oscar: cannot rewrite "
+                + "; ".join(f"{u.kind} {u.node.name}: {u.reason}" for u in bad)
+                + ("" if not must else " - this graph reads an OscarCache, which holds no BF16 data, so it cannot "
+                   "fall back to the model's own attention")
+            )
+        rewritten = rewrite(gm, analysis, self._storage_for)
+        if self.options.validate and example_inputs is not None:
+            _validate(gm, example_inputs)
+        record = CompiledGraph(len(self.graphs), analysis, rewritten, before, gm.code)
+        self.graphs.append(record)
+        self._log(record)
+        return record
+
+    # ------------------------------------------------------------------ storage
+    def _slot(self, m: AttentionMatch) -> tuple[Any, str, int]:
+        layer = m.source_layer
+        if layer is not None:
+            return ("layer", layer), f"layer {layer}", layer
+        if m.source is not None:
+            return ("source", m.source), f"source {m.source}", m.index
+        return ("layer", m.index), f"layer {m.index}", m.index
+
+    def _storage_for(self, m: AttentionMatch) -> tuple[PagedInt2KVCache, int, str]:
+        key, name, layer = self._slot(m)
+        meta_val = (m.key_write.node if m.key_write.kind == "cat" else m.key_write.buffer).meta["example_value"]
+        if not isinstance(m.batch, int):
+            raise UnsupportedGraphError(f"oscar: {name}: the batch size is symbolic; compile with a fixed batch size")
+        max_len = m.max_len if m.max_len is not None else self.options.max_seq_len
+        if not isinstance(max_len, int):
+            raise UnsupportedGraphError(f"oscar: {name}: the cache length is symbolic")
+        dtype = self.options.cache_dtype or meta_val.dtype
+        device = meta_val.device
+        geometry = (m.batch, m.num_kv_heads, max_len, m.head_dim, dtype, str(device))
+        full_key = (key, geometry)
+        if full_key not in self.storage:
+            o = self.options
+            cache = PagedInt2KVCache(
+                1, m.num_kv_heads, m.head_dim, max_batch_size=m.batch, max_seq_len=max_len, page_size=o.page_size,
+                num_sinks=o.num_sinks, window=o.window, group_size=o.group_size, identity_block_table=True,
+                quantize=o.quantize, dtype=dtype, meta_dtype=o.meta_dtype, device=device,
+            )
+            cache.set_transforms(0, self._transforms(layer, m.num_kv_heads, m.head_dim))
+            self.storage[full_key] = cache
+        return self.storage[full_key], 0, name
+
+    def _transforms(self, layer: int, heads: int, d: int) -> LayerTransforms:
+        if self.artifacts is not None:
+            return self.artifacts.layer_transforms(layer, heads, d)
+        if self.options.rotation == "identity":
+            return LayerTransforms.identity(heads, d)
+        return LayerTransforms.hadamard(heads, d)
+
+    # ------------------------------------------------------------------ user helpers
+    def new_cache(self, model_or_config, max_cache_len: int, max_batch_size: int = 1, dtype=None, device=None):
+        """An :class:`~oscar_compile.OscarCache` for ``model`` (no BF16 storage; use with this backend)."""
+        from .hf import OscarCache
+
+        return OscarCache(model_or_config, max_cache_len=max_cache_len, max_batch_size=max_batch_size, dtype=dtype, device=device)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of INT2 KV storage this backend allocated (all slots)."""
+        return sum(c.nbytes for c in self.storage.values())
+
+    def reset(self) -> None:
+        """Drop the INT2 storage (graphs compiled before keep theirs alive until recompiled)."""
+        self.storage.clear()
+
+    def _log(self, rec: CompiledGraph) -> None:
+        if log.isEnabledFor(logging.INFO):
+            from .explainer import format_graph_summary
+
+            log.info("oscar graph %d:\n%s", rec.index, format_graph_summary(rec))
+        if graph_log.isEnabledFor(logging.DEBUG):
+            from .explainer import graph_diff
+
+            graph_log.debug("oscar graph %d before/after:\n%s", rec.index, graph_diff(rec.before, rec.after))
+
+
+def _validate(gm: fx.GraphModule, example_inputs) -> None:
+    """Run the rewritten graph on fake tensors: shape or dtype errors surface now, not as wrong answers."""
+    from torch._dynamo.utils import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = [fake_mode.from_tensor(x, static_shapes=False) if isinstance(x, torch.Tensor) and not
+              isinstance(x, torch._subclasses.FakeTensor) else x for x in example_inputs]
+    with fake_mode:
+        # Buffers we registered are real tensors; let the fake mode wrap them.
+        prev = fake_mode.allow_non_fake_inputs
+        fake_mode.allow_non_fake_inputs = True
+        try:
+            FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
+        finally:
+            fake_mode.allow_non_fake_inputs = prev
+
+
+def oscar_backend(artifacts=None, **options) -> OscarBackend:
+    """A ``torch.compile`` backend that puts the KV cache of any model in INT2.
+
+    Args:
+        artifacts: calibration artifacts (:func:`oscar_compile.load_artifacts`); ``None`` uses the
+            fallback ``rotation`` for every layer.
+        **options: see :class:`BackendOptions` (``num_sinks``, ``window``, ``page_size``, ``group_size``,
+            ``rotation``, ``quantize``, ``max_seq_len``, ``cache_dtype``, ``meta_dtype``, ``inductor``,
+            ``strict``, ``validate``).
+    """
+    return OscarBackend(artifacts, **options)
+
+
+_DEFAULT_BACKEND: OscarBackend | None = None
+
+
+def default_backend() -> OscarBackend:
+    """The process-wide backend behind ``torch.compile(..., backend="oscar")`` (default options)."""
+    global _DEFAULT_BACKEND
+    if _DEFAULT_BACKEND is None:
+        _DEFAULT_BACKEND = OscarBackend()
+    return _DEFAULT_BACKEND
+
+
+def oscar_entry_point(gm, example_inputs, **kwargs):
+    """The named backend ``"oscar"``. One shared instance, so prefill and decode graphs share storage."""
+    return default_backend()(gm, example_inputs, **kwargs)
+
+
+def compile(model, artifacts=None, *, fullgraph: bool = False, mode: str | None = None, dynamic=None, **options):
+    """Compile ``model`` in place with the oscar backend and return it (``model.generate`` then uses it).
+
+    ``torch.compile(model)`` returns a wrapper whose ``generate`` still calls the uncompiled model;
+    this uses ``nn.Module.compile`` instead, and tells transformers not to wrap the model in a second
+    ``torch.compile`` of its own during ``generate`` (that one would not rewrite attention).
+    The backend is available as ``model.oscar_backend``.
+    """
+    backend = oscar_backend(artifacts, **options)
+    model.compile(backend=backend, fullgraph=fullgraph, mode=mode, dynamic=dynamic)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.disable_compile = True
+    model.oscar_backend = backend
+    return model

@@ -1,0 +1,153 @@
+"""Rewrite matched attention in place: cache writes -> ``oscar::store``, SDPA -> ``oscar::attention``.
+
+For each :class:`~.matcher.AttentionMatch` the pass
+
+1. inserts one ``oscar.store(k_new, v_new, positions, <INT2 cache>, <transforms>)`` right before the
+   later of the two cache writes (both new tensors exist there, and it precedes the SDPA, so the
+   write-before-read order of the original graph is kept);
+2. replaces the SDPA node by ``oscar.attention(q, q_positions, seq_lens, <INT2 cache>, ...)`` with the
+   same semantics: ``seq_lens`` = newest written position + 1; for ``is_causal`` (SDPA aligns it
+   top-left: query ``t`` sees keys ``<= t`` of the view) the query positions are ``arange(T)``;
+   masks pass through (they index logical key positions); a sliced key view ``[:n]`` without a
+   mask becomes a mask of ``n`` ones;
+3. erases the original writes and the views that only fed the SDPA. Nothing else is touched: a
+   blanket dead-code elimination would delete transformers' ``cumulative_length.add_``.
+
+The INT2 cache and transform tensors enter the graph as buffers of ``gm`` (``get_attr``).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import fx
+
+from .. import ops  # noqa: F401  (registers torch.ops.oscar)
+from ..cache import PagedInt2KVCache
+from .fx_utils import meta
+from .matcher import AttentionMatch, GraphAnalysis
+
+
+@dataclass
+class Rewritten:
+    match: AttentionMatch
+    slot: str  # which INT2 storage it reads and writes (e.g. "layer 3")
+    store: fx.Node
+    attention: fx.Node
+
+
+class RewriteError(RuntimeError):
+    """The rewritten graph would not compute what the original computes; nothing is run."""
+
+
+def _register(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> fx.Node:
+    """Expose ``tensor`` to the graph as a buffer of ``gm`` (``get_attr``), with a Dynamo source."""
+    if not hasattr(gm, name):
+        gm.register_buffer(name, tensor, persistent=False)
+        if hasattr(gm, "_param_name_to_source"):  # AOTAutograd needs one for every lifted buffer
+            from torch._dynamo.source import ConstantSource
+
+            gm._param_name_to_source[name] = ConstantSource(f"oscar:{name}")
+    elif getattr(gm, name) is not tensor:
+        raise RewriteError(f"oscar: buffer name {name} already taken on the graph module")
+    return gm.graph.get_attr(name)
+
+
+def _erase_if_dead(graph: fx.Graph, nodes) -> None:
+    for n in nodes:
+        if n.graph is graph and not n.users:
+            graph.erase_node(n)
+
+
+def rewrite(
+    gm: fx.GraphModule,
+    analysis: GraphAnalysis,
+    storage_for: Callable[[AttentionMatch], tuple[PagedInt2KVCache, int, str]],
+) -> list[Rewritten]:
+    """Apply the rewrite to every match. ``storage_for(match) -> (cache, layer, slot name)``."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    done = []
+    for m in analysis.matches:
+        cache, layer, slot = storage_for(m)
+        prefix = f"_oscar_{slot.replace(' ', '_').replace('.', '_')}"
+        kw, vw = m.key_write, m.value_write
+        later = max(kw.node, vw.node, key=order.__getitem__)
+        device = meta(kw.new).device
+
+        with graph.inserting_before(later):
+            cache_nodes = [_register(gm, f"{prefix}_{name}", t) for name, t in zip(
+                ("k_codes", "k_meta", "v_codes", "v_meta", "k_sink", "v_sink", "k_ring", "v_ring"),
+                cache.layers[layer].tensors())]
+            cache_nodes.append(_register(gm, f"{prefix}_block_table", cache.block_table))
+            tr = cache.transforms[layer]
+            t_nodes = {name: _register(gm, f"{prefix}_{name}", getattr(tr, name)) for name in tr._tensor_names()}
+            positions = _positions(graph, m, device)
+            store = graph.call_function(
+                torch.ops.oscar.store.default,
+                (kw.new, vw.new, positions, *cache_nodes, t_nodes["key_transform"], t_nodes["key_mean"],
+                 t_nodes["value_transform"], t_nodes["value_mean"], float(tr.key_clip), float(tr.value_clip)),
+            )
+
+        with graph.inserting_before(m.sdpa):
+            last = graph.call_method("amax", (positions, -1))
+            seq_lens = graph.call_method("reshape", (graph.call_function(operator.add, (last, 1)), -1))
+            if m.is_causal:
+                t = graph.call_method("size", (m.query, 2))
+                q_positions = graph.call_function(torch.arange, (t,), {"device": device})
+            else:
+                q_positions = positions
+            mask = _mask(graph, m, device)
+            attn = graph.call_function(
+                torch.ops.oscar.attention.default,
+                (m.query, q_positions, seq_lens, *cache_nodes, t_nodes["query_transform"], t_nodes["output_transform"],
+                 t_nodes["value_mean"], mask, bool(m.is_causal), float(m.scale)),
+            )
+        m.sdpa.replace_all_uses_with(attn)
+        graph.erase_node(m.sdpa)
+        _erase_if_dead(graph, m.key_read.chain + m.value_read.chain)
+        for w in (kw, vw):
+            if w.kind == "cat":
+                _erase_if_dead(graph, [w.node])
+            else:
+                w.node.replace_all_uses_with(w.buffer)  # in-place writes return the buffer itself
+                graph.erase_node(w.node)
+        done.append(Rewritten(m, slot, store, attn))
+    try:
+        graph.lint()
+    except Exception as e:  # pragma: no cover - a bug in this pass, never a user error
+        raise RewriteError(f"oscar: the rewritten graph is malformed: {e}") from e
+    gm.recompile()
+    return done
+
+
+def _positions(graph: fx.Graph, m: AttentionMatch, device) -> fx.Node:
+    """Absolute positions of the new tokens, as a graph tensor ``[T]`` or ``[B, T]``."""
+    kw = m.key_write
+    if kw.kind == "cat":
+        past = kw.buffer
+        ps = meta(past).shape
+        past_len = graph.call_method("size", (past, 2)) if len(ps) == 4 else 0
+        t = graph.call_method("size", (kw.new, 2))
+        end = graph.call_function(operator.add, (past_len, t))
+        return graph.call_function(torch.arange, (past_len, end), {"device": device})
+    if isinstance(kw.positions, tuple):
+        start, stop = kw.positions
+        return graph.call_function(torch.arange, (start, stop), {"device": device})
+    return kw.positions
+
+
+def _mask(graph: fx.Graph, m: AttentionMatch, device):
+    if m.mask is not None:
+        ms = meta(m.mask).shape
+        if ms[-1] == 1 and m.key_len != 1:  # broadcast over keys: make it explicit for the op
+            n = m.key_read.seq_len_arg if m.key_read.seq_len_arg is not None else m.key_len
+            return graph.call_method("expand", (m.mask, *([-1] * (len(ms) - 1)), n))
+        return m.mask
+    if m.key_read.seq_len is not None and not m.is_causal:
+        # SDPA over cache[:, :, :n] without a mask: the first n keys
+        return graph.call_function(torch.ones, ((1, 1, 1, m.key_read.seq_len_arg),), {"dtype": torch.bool, "device": device})
+    return None

@@ -1,0 +1,180 @@
+import logging
+
+import pytest
+import torch
+from transformers import AttentionInterface
+
+import oscar_compile
+from oscar_compile import LayerTransforms, OscarCache, PagedInt2KVCache, UnsupportedGraphError, oscar_backend
+from oscar_compile.testing import (
+    FAMILIES,
+    TinyDecoder,
+    make_hf_cache,
+    prefill_and_decode,
+    reference_attention,
+    rel_error,
+    tiny_model,
+)
+
+STEPS = 6
+
+
+def _ids(batch=2, t=9, seed=0):
+    return torch.randint(3, 97, (batch, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("cache_kind", ["oscar", "static", "dynamic"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_attention_is_rewritten_and_exact_without_quantization(family, cache_kind):
+    model = tiny_model(family)
+    ids = _ids()
+    ref = prefill_and_decode(model, ids, make_hf_cache("dynamic", model, 32, 2), STEPS)
+    backend = oscar_backend(quantize=False, inductor=False)
+    compiled = torch.compile(model, backend=backend)
+    got = prefill_and_decode(compiled, ids, make_hf_cache(cache_kind, model, 32, 2), STEPS)
+    layers = model.config.num_hidden_layers
+    assert len(backend.graphs) >= 2  # prefill and decode
+    for g in backend.graphs:
+        assert len(g.rewritten) == layers and not g.unmatched
+    # fp32 model, BF16 storage off (quantize=False keeps fp32 rows): only summation order differs.
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int2_compiled_logits_equal_the_ops_called_directly(family):
+    opts = dict(num_sinks=2, window=3, page_size=4)  # short sequences still reach the INT2 pages
+    model = tiny_model(family)
+    cfg = model.config
+    ids = _ids()
+    backend = oscar_backend(inductor=False, **opts)
+    got = prefill_and_decode(torch.compile(model, backend=backend), ids, make_hf_cache("oscar", model, 32, 2), STEPS)
+
+    h = cfg.num_key_value_heads if hasattr(cfg, "num_key_value_heads") else cfg.n_head
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache = PagedInt2KVCache(cfg.num_hidden_layers, h, d, max_batch_size=2, max_seq_len=32, dtype=torch.float32, **opts)
+    for layer in range(cfg.num_hidden_layers):
+        cache.set_transforms(layer, LayerTransforms.hadamard(h, d))
+        cache.allocate(0, 32), cache.allocate(1, 32)
+    AttentionInterface.register("oscar_reference", reference_attention(cache))
+    model.config._attn_implementation = "oscar_reference"
+    ref = prefill_and_decode(model, ids, make_hf_cache("dynamic", model, 32, 2), STEPS)
+    model.config._attn_implementation = "sdpa"
+    bf16 = prefill_and_decode(model, ids, make_hf_cache("dynamic", model, 32, 2), STEPS)
+    # Same quantization on the same values: only fp32 summation order differs.
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert rel_error(got, bf16) > 1e-3  # and INT2 really was used
+
+
+def test_hand_written_decoder_with_its_own_buffers():
+    model = TinyDecoder()
+    ids = _ids(2, 7)
+
+    def run(m):
+        logits = [m(ids, torch.arange(7))]
+        tok = logits[-1][:, -1:].argmax(-1)
+        for p in range(7, 7 + STEPS):
+            logits.append(m(tok, torch.tensor([p])))
+            tok = logits[-1][:, -1:].argmax(-1)
+        return torch.cat(logits, 1)
+
+    with torch.no_grad():
+        eager = run(model)
+        backend = oscar_backend(quantize=False, inductor=False)
+        exact = run(torch.compile(model, backend=backend))
+        torch.testing.assert_close(exact, eager, rtol=1e-5, atol=1e-5)
+        assert [len(g.rewritten) for g in backend.graphs] == [2, 2]
+        assert {r.match.write_kind for g in backend.graphs for r in g.rewritten} == {"setitem"}
+
+        torch._dynamo.reset()
+        opts = dict(num_sinks=1, window=2, page_size=4)
+        backend = oscar_backend(inductor=False, **opts)
+        int2 = run(torch.compile(model, backend=backend))
+        model.reference = PagedInt2KVCache(2, 2, 16, max_batch_size=2, max_seq_len=64, dtype=torch.float32, **opts)
+        for layer in range(2):
+            model.reference.set_transforms(layer, LayerTransforms.hadamard(2, 16))
+            model.reference.allocate(0, 64), model.reference.allocate(1, 64)
+        ref = run(model)
+        model.reference = None
+    torch.testing.assert_close(int2, ref, rtol=1e-4, atol=1e-4)
+    assert rel_error(int2, eager) > 1e-3
+
+
+def test_inductor_fullgraph_generate_with_oscar_cache():
+    model = tiny_model("llama")
+    ids = _ids(1, 9)
+    eager_ref = model.generate(ids, max_new_tokens=8, do_sample=False)
+    oscar_compile.compile(model, fullgraph=True, quantize=False)
+    cache = OscarCache(model, max_cache_len=32)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, eager_ref)
+    backend = model.oscar_backend
+    assert len(backend.graphs) >= 2 and all(len(g.rewritten) == 2 for g in backend.graphs)
+
+
+def test_oscar_cache_owns_no_bf16_storage():
+    model = tiny_model("llama")
+    cache = OscarCache(model, max_cache_len=4096, max_batch_size=8)
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            assert t.shape == (8, 2, 4096, 16)
+            assert t.untyped_storage().nbytes() == t.element_size()  # one element, whatever the shape
+    with pytest.raises(oscar_compile.ops.UnrewrittenCacheError, match="compiled with oscar_backend"):
+        model(_ids(8, 3), past_key_values=cache)
+
+
+def test_named_backend_is_registered():
+    assert "oscar" in torch._dynamo.list_backends()
+    from oscar_compile.backend import default_backend
+
+    model = tiny_model("llama")
+    before = len(default_backend().graphs)
+    prefill_and_decode(torch.compile(model, backend="oscar"), _ids(), make_hf_cache("oscar", model, 32, 2), 1)
+    assert len(default_backend().graphs) > before
+
+
+def test_unsupported_pattern_falls_back_with_a_reason():
+    class Encoder(torch.nn.Module):  # attention over fresh tensors: no cache to quantize
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    out = torch.compile(Encoder(), backend=oscar_backend(inductor=False))(q, k, v)
+    torch.testing.assert_close(out, Encoder()(q, k, v), rtol=0, atol=0)  # untouched, same answer
+    report = oscar_compile.explain(Encoder(), q, k, v)
+    assert report.num_rewritten == 0
+    (u,) = report.graphs[0].unmatched
+    assert u.kind == "attention" and "not from a [batch, heads, seq, dim] cache" in u.reason or "no write" in u.reason
+
+    def dropout_on_cache(buf, pos, k, q):
+        buf.index_copy_(2, pos, k)
+        return torch.nn.functional.scaled_dot_product_attention(q, buf[:, :, :4], buf[:, :, :4], dropout_p=0.5)
+
+    report = oscar_compile.explain(dropout_on_cache, torch.zeros(1, 2, 8, 8), torch.arange(4), torch.randn(1, 2, 4, 8),
+                                   torch.randn(1, 2, 4, 8))
+    reasons = [u.reason for u in report.graphs[0].unmatched]
+    assert any("dropout_p=0.5" in r for r in reasons)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="dropout") as err:
+        oscar_compile.explain(dropout_on_cache, torch.zeros(1, 2, 8, 8), torch.arange(4), torch.randn(1, 2, 4, 8),
+                              torch.randn(1, 2, 4, 8), backend=oscar_backend(inductor=False, strict=True))
+    assert isinstance(err.value.inner_exception, UnsupportedGraphError)
+
+
+def test_unmatched_read_of_an_oscar_cache_stub_raises():
+    stub = torch.empty(1).expand(1, 2, 8, 8)
+
+    def wrong_dim_write(buf, pos, k, q):
+        buf.index_copy_(3, pos, k)  # writes along head_dim: not a cache write oscar models
+        kk = torch.ops.oscar.cache_read_guard(buf)
+        return torch.nn.functional.scaled_dot_product_attention(q, kk, kk, is_causal=True)
+
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="holds no BF16 data") as err:
+        oscar_compile.explain(wrong_dim_write, stub, torch.arange(8), torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8))
+    assert isinstance(err.value.inner_exception, UnsupportedGraphError)
+
+
+def test_summaries_go_to_the_oscar_compile_logger(caplog):
+    model = tiny_model("qwen3")
+    with caplog.at_level(logging.INFO, logger="oscar_compile"):
+        oscar_compile.explain(model, _ids(), max_new_tokens=1)
+    text = caplog.text
+    assert "graph 0: 2 attention call(s), 2 rewritten" in text and "graph 1" in text
