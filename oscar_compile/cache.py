@@ -308,11 +308,15 @@ class PagedInt2KVCache:
     def _op_args(self, layer: int):
         return (*self.layers[layer].tensors(), self.block_table)
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write ``k, v [B, kv_heads, T, d]`` at ``positions [T] or [B, T]`` (negative = padding)."""
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Write ``k, v [B, kv_heads, T, d]`` at ``positions [T] or [B, T]`` (negative = padding).
+
+        Returns the transformed chunk ``(k', v') [B, T, kv_heads, d]``; pass it to :meth:`attention`
+        as ``chunk=(k', v', positions)`` so the chunk attends to itself exactly.
+        """
         tr = self.transforms[layer]
-        ops.store(k, v, positions, *self._op_args(layer), tr.key_transform, tr.key_mean, tr.value_transform,
-                  tr.value_mean, tr.key_clip, tr.value_clip)
+        return ops.store(k, v, positions, *self._op_args(layer), tr.key_transform, tr.key_mean, tr.value_transform,
+                         tr.value_mean, tr.key_clip, tr.value_clip)
 
     def attention(
         self,
@@ -323,18 +327,21 @@ class PagedInt2KVCache:
         attn_mask: torch.Tensor | None = None,
         is_causal: bool = False,
         scale: float | None = None,
+        chunk: tuple | None = None,
     ) -> torch.Tensor:
         """Attention of ``q [B, q_heads, T, d]`` at ``positions`` over this layer's cache.
 
         ``seq_lens [B]`` (tokens stored per row) defaults to each row's newest query position + 1,
-        right for self-attention right after ``store`` of the same positions.
+        right for self-attention right after ``store`` of the same positions. ``chunk`` is
+        ``(k', v', chunk_positions)``: the newest tokens, read exactly (see :meth:`store`).
         """
         tr = self.transforms[layer]
         scale = self.head_dim**-0.5 if scale is None else float(scale)
         if seq_lens is None:
             seq_lens = (positions.amax(dim=-1) + 1).clamp(min=0).reshape(-1)
+        k_chunk, v_chunk, chunk_positions = chunk if chunk is not None else (None, None, None)
         return ops.attention(q, positions, seq_lens, *self._op_args(layer), tr.query_transform, tr.output_transform,
-                             tr.value_mean, attn_mask, is_causal, scale)
+                             tr.value_mean, attn_mask, is_causal, scale, k_chunk, v_chunk, chunk_positions)
 
     def reset(self) -> None:
         """Forget every row (pages return to the pool; buffers are not cleared, they are never read unwritten)."""

@@ -1,6 +1,7 @@
 """The two ``torch.library`` ops of oscar-compile (namespace ``oscar``).
 
-* ``oscar::store``     mutates the cache tensors of one layer (declared exactly in ``mutates_args``).
+* ``oscar::store``     mutates the cache tensors of one layer (declared exactly in ``mutates_args``)
+                       and returns the transformed chunk ``(k', v')`` that attention reads exactly.
 * ``oscar::attention`` reads them and returns the attention output ``[B, Hq, T, d]``.
 
 The default implementation (every device) is the plain-PyTorch reference in ``kernels/``; the
@@ -44,8 +45,8 @@ def store(
     value_mean: Tensor,
     key_clip: float,
     value_clip: float,
-) -> None:
-    store_reference(
+) -> tuple[Tensor, Tensor]:
+    return store_reference(
         k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
         key_transform, key_mean, value_transform, value_mean, key_clip, value_clip,
     )
@@ -55,9 +56,11 @@ def store(
 def _store_fake(
     k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
     key_transform, key_mean, value_transform, value_mean, key_clip, value_clip,
-) -> None:
+):
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
     check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip)
+    b, h, t, d = k.shape
+    return k.new_empty((b, t, h, d), dtype=k_sink.dtype), v.new_empty((b, t, h, d), dtype=v_sink.dtype)
 
 
 @torch.library.custom_op("oscar::attention", mutates_args=())
@@ -80,20 +83,25 @@ def attention(
     attn_mask: Optional[Tensor],
     is_causal: bool,
     scale: float,
+    k_chunk: Optional[Tensor] = None,
+    v_chunk: Optional[Tensor] = None,
+    chunk_positions: Optional[Tensor] = None,
 ) -> Tensor:
     return attention_reference(
         q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
-        query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
+        query_transform, output_transform, value_mean, attn_mask, is_causal, scale, k_chunk, v_chunk, chunk_positions,
     )
 
 
 @attention.register_fake
 def _attention_fake(
     q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
-    query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
+    query_transform, output_transform, value_mean, attn_mask, is_causal, scale, k_chunk=None, v_chunk=None,
+    chunk_positions=None,
 ) -> Tensor:
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
-    check_attention(q, positions, seq_lens, cache, query_transform, output_transform, value_mean, attn_mask, scale)
+    check_attention(q, positions, seq_lens, cache, query_transform, output_transform, value_mean, attn_mask, scale,
+                    k_chunk, v_chunk, chunk_positions)
     return q.new_empty(q.shape)  # contiguous, like the real output
 
 

@@ -59,20 +59,26 @@ class CacheOracle:
         self.keys[row].extend(self._transform(k, self.tr.key_transform, self.tr.key_mean).unbind(0))
         self.values[row].extend(self._transform(v, self.tr.value_transform, self.tr.value_mean).unbind(0))
 
-    def history(self, row: int, tokens: list[torch.Tensor], clip: float) -> torch.Tensor:
+    def history(self, row: int, tokens: list[torch.Tensor], clip: float, exact_from: int) -> torch.Tensor:
+        """Stored history; positions ``>= exact_from`` (the newest chunk) are read exactly."""
         c = self.cache
         x = torch.stack(tokens).double()  # [L, H, d]
         length = x.shape[0]
-        lo, hi = c.num_sinks, length - c.window
+        lo, hi = c.num_sinks, min(length - c.window, exact_from)
         if hi > lo:
             packed, scale, mn = quantize_int2(x[lo:hi].to(c.dtype).float(), c.group_size, clip, c.meta_dtype)
             x[lo:hi] = dequantize_int2(packed, scale, mn, c.group_size).double()
         return x
 
-    def attention(self, row: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float, causal: bool = True) -> torch.Tensor:
-        """``q [Hq, T, d]`` at absolute positions ``q_pos [T]`` -> ``[Hq, T, d]`` float64."""
-        keys = self.history(row, self.keys[row], self.tr.key_clip)
-        vals = self.history(row, self.values[row], self.tr.value_clip)
+    def attention(self, row: int, q: torch.Tensor, q_pos: torch.Tensor, scale: float, causal: bool = True,
+                  chunk: int = 0) -> torch.Tensor:
+        """``q [Hq, T, d]`` at absolute positions ``q_pos [T]`` -> ``[Hq, T, d]`` float64.
+
+        The newest ``chunk`` tokens are read exactly (as when attention gets the stored chunk).
+        """
+        exact_from = len(self.keys[row]) - chunk
+        keys = self.history(row, self.keys[row], self.tr.key_clip, exact_from)
+        vals = self.history(row, self.values[row], self.tr.value_clip, exact_from)
         hq, t, d = q.shape
         h = keys.shape[1]
         g = hq // h
@@ -142,8 +148,8 @@ class TinyDecoder(torch.nn.Module):
             v = (h @ blk.wv.T).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = self._rope(q, input_pos), self._rope(k, input_pos)
             if self.reference is not None:
-                self.reference.store(i, k, v, input_pos)
-                o = self.reference.attention(i, q, input_pos, attn_mask=mask)
+                kt, vt = self.reference.store(i, k, v, input_pos)
+                o = self.reference.attention(i, q, input_pos, attn_mask=mask, chunk=(kt, vt, input_pos))
             else:
                 blk.k_cache[:, :, input_pos] = k
                 blk.v_cache[:, :, input_pos] = v
@@ -166,12 +172,12 @@ def reference_attention(cache: PagedInt2KVCache):
     def attention_fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs):
         t, length = query.shape[2], key.shape[2]
         positions = torch.arange(length - t, length, device=query.device)
-        cache.store(module.layer_idx, key[:, :, -t:], value[:, :, -t:], positions)
+        kt, vt = cache.store(module.layer_idx, key[:, :, -t:], value[:, :, -t:], positions)
         causal = bool(t > 1 and attention_mask is None and (is_causal if is_causal is not None else module.is_causal))
         q_pos = torch.arange(t, device=query.device) if causal else positions
         seq_lens = torch.full((1,), length, device=query.device)
         out = cache.attention(module.layer_idx, query, q_pos, seq_lens=seq_lens, attn_mask=attention_mask,
-                              is_causal=causal, scale=scaling)
+                              is_causal=causal, scale=scaling, chunk=(kt, vt, positions))
         return out.transpose(1, 2).contiguous(), None
 
     return attention_fn

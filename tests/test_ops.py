@@ -77,12 +77,16 @@ def test_attention_matches_float64_oracle_over_prefill_and_300_decode_steps(d, g
     for row, n in enumerate(prefill):
         cache.allocate(row, n)
         oracle.append(row, k[row, :, :n], v[row, :, :n])
-    cache.store(0, k, v, pos)
-    out = cache.attention(0, q, pos, is_causal=True, scale=scale)
+    kt, vt = cache.store(0, k, v, pos)
+    out = cache.attention(0, q, pos, is_causal=True, scale=scale)  # every key through the cache
+    exact = cache.attention(0, q, pos, is_causal=True, scale=scale, chunk=(kt, vt, pos))  # chunk read exactly
     for row, n in enumerate(prefill):
         ref = oracle.attention(row, q[row, :, :n], torch.arange(n), scale)
         assert rel_error(out[row, :, :n], ref) < 1e-3
-        assert (out[row, :, n:] == 0).all()  # padding queries
+        ref_exact = oracle.attention(row, q[row, :, :n], torch.arange(n), scale, chunk=n)
+        assert rel_error(exact[row, :, :n], ref_exact) < 1e-3
+        assert (out[row, :, n:] == 0).all() and (exact[row, :, n:] == 0).all()  # padding queries
+    assert rel_error(exact, out) > 1e-3  # the chunk really was read differently
     lengths = list(prefill)
     worst = 0.0
     for _ in range(steps):

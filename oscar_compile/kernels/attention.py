@@ -12,6 +12,9 @@ Semantics, per sequence row ``b``:
   head ``h // (Hq / Hkv)``), scores ``s = scale * q'.k'``. An optional ``attn_mask`` (bool: True
   keeps, or additive float), broadcastable to ``[B, Hq, T, Lk]``, indexes *logical* key positions;
   keys ``j >= Lk`` are not visible (so a mask over a shorter key view means what SDPA means).
+* ``k_chunk, v_chunk`` (optional, ``[B, T', H, d]``, what ``store`` returned) hold the newest tokens
+  at ``chunk_positions`` exactly: those keys are read from them, not from the (maybe quantized)
+  cache, so a prefill chunk attends to itself in full precision.
 * Output ``o = softmax(s) V' B_o + mu_v`` in the query's dtype. A padding query or a query with no
   visible key returns zeros (SDPA would return NaN there).
 """
@@ -78,10 +81,14 @@ def attention_reference(
     attn_mask: torch.Tensor | None,
     is_causal: bool,
     scale: float,
+    k_chunk: torch.Tensor | None = None,
+    v_chunk: torch.Tensor | None = None,
+    chunk_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch ``oscar::attention`` (the CPU implementation and the test oracle)."""
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
-    geo = check_attention(q, positions, seq_lens, cache, query_transform, output_transform, value_mean, attn_mask, scale)
+    geo = check_attention(q, positions, seq_lens, cache, query_transform, output_transform, value_mean, attn_mask, scale,
+                          k_chunk, v_chunk, chunk_positions)
     b, hq, t, d = q.shape
     h = geo.num_kv_heads
     g = hq // h
@@ -98,6 +105,12 @@ def attention_reference(
 
     keys = gather_history(geo, k_codes, k_meta, k_sink, k_ring, block_table, lengths, max_len)
     values = gather_history(geo, v_codes, v_meta, v_sink, v_ring, block_table, lengths, max_len)
+    if k_chunk is not None:
+        cpos = chunk_positions.long().expand(b, k_chunk.shape[1]) if chunk_positions.dim() == 1 else chunk_positions.long()
+        for row in range(b):
+            sel = (cpos[row] >= 0) & (cpos[row] < lengths[row])
+            keys[row, cpos[row][sel]] = k_chunk[row][sel].float()
+            values[row, cpos[row][sel]] = v_chunk[row][sel].float()
     qt = torch.einsum("bhgtd,hde->bhgte", q.float().reshape(b, h, g, t, d), query_transform.float())
     key_pos = torch.arange(max_len, device=q.device)
     visible_len = key_pos[None, :] < lengths[:, None]  # [B, L]

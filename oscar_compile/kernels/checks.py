@@ -129,7 +129,8 @@ def check_store(k, v, positions, cache_tensors, key_transform, key_mean, value_t
     return geo
 
 
-def check_attention(q, positions, seq_lens, cache_tensors, query_transform, output_transform, value_mean, attn_mask, scale):
+def check_attention(q, positions, seq_lens, cache_tensors, query_transform, output_transform, value_mean, attn_mask, scale,
+                    k_chunk=None, v_chunk=None, chunk_positions=None):
     geo = check_cache(*cache_tensors)
     if q.dim() != 4 or not q.is_floating_point():
         _fail(f"q must be a floating [batch, q_heads, tokens, head_dim] tensor, got {q.dtype} {tuple(q.shape)}")
@@ -155,4 +156,13 @@ def check_attention(q, positions, seq_lens, cache_tensors, query_transform, outp
             _fail(f"attn_mask must be bool or floating (additive), got {attn_mask.dtype}", TypeError)
     if not scale > 0:
         _fail(f"softmax scale must be positive, got {scale}")
+    chunk = (k_chunk, v_chunk, chunk_positions)
+    if any(x is not None for x in chunk):
+        if any(x is None for x in chunk):
+            _fail("k_chunk, v_chunk and chunk_positions go together")
+        if k_chunk.shape != v_chunk.shape or k_chunk.dim() != 4 or k_chunk.shape[0] != b or \
+                tuple(k_chunk.shape[2:]) != (geo.num_kv_heads, geo.head_dim):
+            _fail(f"k_chunk/v_chunk must be [{b}, T, {geo.num_kv_heads}, {geo.head_dim}], got "
+                  f"{tuple(k_chunk.shape)} and {tuple(v_chunk.shape)}")
+        check_positions(chunk_positions, b, k_chunk.shape[1])
     return geo

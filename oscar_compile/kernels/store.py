@@ -13,6 +13,10 @@ Semantics (DESIGN.md section 3), per sequence row ``b``; ``S`` sinks, ``W`` wind
   cache-dtype rounded value the ring would have held, so chunking never changes the result).
 * Negative positions are padding and are skipped. The valid positions of a row must be
   consecutive and continue that row's history (as every KV cache writes them).
+* Returns the transformed chunk ``(k', v')`` as ``[B, T, H, d]`` in the cache dtype: attention over
+  the same tokens uses it for the chunk's own keys (the new chunk attends to itself exactly, as in
+  serving systems; only history is read through the quantized cache). It is also the data
+  dependency that orders the write before the read.
 """
 
 from __future__ import annotations
@@ -123,7 +127,7 @@ def store_reference(
     value_mean: torch.Tensor,
     key_clip: float,
     value_clip: float,
-) -> None:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-PyTorch ``oscar::store`` (the CPU implementation and the test oracle). ``k, v``: ``[B, H, T, d]``."""
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
     geo = check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip)
@@ -135,5 +139,7 @@ def store_reference(
     if not (torch.isfinite(kt[written]).all() and torch.isfinite(vt[written]).all()):
         raise ValueError("oscar: non-finite keys or values reached the KV cache (NaN/inf in the model's activations?)")
     spans = _row_spans(geo, pos, block_table)  # validates everything before the first write
-    _store_side(geo, kt.to(k_sink.dtype), spans, k_codes, k_meta, k_sink, k_ring, block_table, key_clip)
-    _store_side(geo, vt.to(v_sink.dtype), spans, v_codes, v_meta, v_sink, v_ring, block_table, value_clip)
+    kt, vt = kt.to(k_sink.dtype).contiguous(), vt.to(v_sink.dtype).contiguous()  # fake returns contiguous
+    _store_side(geo, kt, spans, k_codes, k_meta, k_sink, k_ring, block_table, key_clip)
+    _store_side(geo, vt, spans, v_codes, v_meta, v_sink, v_ring, block_table, value_clip)
+    return kt, vt

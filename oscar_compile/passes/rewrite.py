@@ -4,7 +4,8 @@ For each :class:`~.matcher.AttentionMatch` the pass
 
 1. inserts one ``oscar.store(k_new, v_new, positions, <INT2 cache>, <transforms>)`` right before the
    later of the two cache writes (both new tensors exist there, and it precedes the SDPA, so the
-   write-before-read order of the original graph is kept);
+   write-before-read order of the original graph is kept); the transformed chunk it returns goes
+   to the attention, which reads the new tokens exactly (and depends on the store through it);
 2. replaces the SDPA node by ``oscar.attention(q, q_positions, seq_lens, <INT2 cache>, ...)`` with the
    same semantics: ``seq_lens`` = newest written position + 1; for ``is_causal`` (SDPA aligns it
    top-left: query ``t`` sees keys ``<= t`` of the view) the query positions are ``arange(T)``;
@@ -91,6 +92,8 @@ def rewrite(
                 (kw.new, vw.new, positions, *cache_nodes, t_nodes["key_transform"], t_nodes["key_mean"],
                  t_nodes["value_transform"], t_nodes["value_mean"], float(tr.key_clip), float(tr.value_clip)),
             )
+            k_chunk = graph.call_function(operator.getitem, (store, 0))
+            v_chunk = graph.call_function(operator.getitem, (store, 1))
 
         with graph.inserting_before(m.sdpa):
             last = graph.call_method("amax", (positions, -1))
@@ -104,7 +107,7 @@ def rewrite(
             attn = graph.call_function(
                 torch.ops.oscar.attention.default,
                 (m.query, q_positions, seq_lens, *cache_nodes, t_nodes["query_transform"], t_nodes["output_transform"],
-                 t_nodes["value_mean"], mask, bool(m.is_causal), float(m.scale)),
+                 t_nodes["value_mean"], mask, bool(m.is_causal), float(m.scale), k_chunk, v_chunk, positions),
             )
         m.sdpa.replace_all_uses_with(attn)
         graph.erase_node(m.sdpa)
