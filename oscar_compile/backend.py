@@ -26,7 +26,20 @@ from .passes.matcher import AttentionMatch, GraphAnalysis, analyze
 from .passes.rewrite import Rewritten, rewrite
 
 log = logging.getLogger("oscar_compile.backend")
-graph_log = logging.getLogger("oscar_compile.backend.graphs")
+
+
+def _graph_logger() -> logging.Logger:
+    """Graphs before/after go to a torch logging artifact named ``oscar`` (composes with TORCH_LOGS)."""
+    try:
+        from torch._logging._internal import getArtifactLogger, register_artifact
+
+        register_artifact("oscar", "oscar-compile: each graph before and after the attention rewrite", visible=True)
+        return getArtifactLogger(__name__, "oscar")
+    except Exception:  # private torch API moved: fall back to a plain child logger
+        return logging.getLogger("oscar_compile.backend.graphs")
+
+
+graph_log = _graph_logger()
 
 ROTATIONS = ("hadamard", "identity")
 
