@@ -22,6 +22,9 @@ __all__ = [
     "compile",
     "OscarCache",
     "explain",
+    "calibrate",
+    "load_artifacts",
+    "Artifacts",
 ]
 
 
@@ -30,6 +33,10 @@ def __getattr__(name):  # transformers-dependent pieces load on first use
         from .hf import OscarCache
 
         return OscarCache
+    if name in ("calibrate", "load_artifacts", "Artifacts", "token_batches"):
+        from . import calibration
+
+        return getattr(calibration, name)
     if name == "explain":
         from .explainer import explain
 

@@ -82,7 +82,7 @@ class BackendOptions:
 class OscarBackend:
     """A ``torch.compile`` backend; create with :func:`oscar_backend`."""
 
-    def __init__(self, artifacts=None, **options):
+    def __init__(self, artifacts=None, observer=None, **options):
         unknown = set(options) - set(BackendOptions.__dataclass_fields__)
         if unknown:
             raise TypeError(f"oscar_backend: unknown options {sorted(unknown)}; valid: {sorted(BackendOptions.__dataclass_fields__)}")
@@ -90,6 +90,7 @@ class OscarBackend:
         if self.options.rotation not in ROTATIONS:
             raise ValueError(f"oscar_backend: rotation must be one of {ROTATIONS}, got {self.options.rotation!r}")
         self.artifacts = artifacts
+        self.observer = observer  # observe mode (calibration): record what would be stored, rewrite nothing
         self.storage: dict[tuple, PagedInt2KVCache] = {}
         self.graphs: list[CompiledGraph] = []
 
@@ -121,6 +122,15 @@ class OscarBackend:
                 + ("" if not must else " - this graph reads an OscarCache, which holds no BF16 data, so it cannot "
                    "fall back to the model's own attention")
             )
+        if self.observer is not None:
+            from .passes.observe import insert_observers
+
+            insert_observers(gm, analysis, self.observer.record, lambda m: self._slot(m)[2])
+            record = CompiledGraph(len(self.graphs), analysis, [], before, gm.code)
+            self.graphs.append(record)
+            return record
+        if self.artifacts is not None:
+            self._check_artifact_layers(analysis)
         rewritten = rewrite(gm, analysis, self._storage_for)
         if self.options.validate and example_inputs is not None:
             _validate(gm, example_inputs)
@@ -160,6 +170,11 @@ class OscarBackend:
             cache.set_transforms(0, self._transforms(layer, m.num_kv_heads, m.head_dim))
             self.storage[full_key] = cache
         return self.storage[full_key], 0, name
+
+    def _check_artifact_layers(self, analysis: GraphAnalysis) -> None:
+        """Before compiling: every matched layer must exist in the artifact with the same shapes."""
+        for m in analysis.matches:
+            self.artifacts.layer_transforms(self._slot(m)[2], m.num_kv_heads, m.head_dim)
 
     def _transforms(self, layer: int, heads: int, d: int) -> LayerTransforms:
         if self.artifacts is not None:
@@ -253,6 +268,8 @@ def compile(model, artifacts=None, *, fullgraph: bool = False, mode: str | None 
     ``torch.compile`` of its own during ``generate`` (that one would not rewrite attention).
     The backend is available as ``model.oscar_backend``.
     """
+    if artifacts is not None:
+        artifacts.validate(model)
     backend = oscar_backend(artifacts, **options)
     model.compile(backend=backend, fullgraph=fullgraph, mode=mode, dynamic=dynamic)
     if getattr(model, "generation_config", None) is not None:

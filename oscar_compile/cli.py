@@ -95,6 +95,45 @@ def _explain(args) -> int:
     return 0 if report.num_rewritten else 1
 
 
+def _tokenize(tok, model, text: str):
+    import torch
+
+    if tok is not None:
+        return tok(text, return_tensors="pt").input_ids[0]
+    vocab = model.config.vocab_size  # tiny random models have no tokenizer: bytes, folded into the vocab
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long) % (vocab - 3) + 3
+
+
+def _calibrate(args) -> int:
+    import time
+    from pathlib import Path
+
+    from .assets import TEXTS, load_text
+    from .calibration import collect_statistics, derive_artifacts, token_batches
+
+    t0 = time.perf_counter()
+    model, tok = _load_for_cli(args.model)
+    if args.data in TEXTS:
+        text, desc = load_text(args.data), args.data
+    else:
+        path = Path(args.data)
+        if not path.is_file():
+            raise SystemExit(f"oscar calibrate: --data {args.data} is neither a file nor one of {', '.join(TEXTS)}")
+        text, desc = path.read_text(encoding="utf-8", errors="replace"), path.name
+    ids = _tokenize(tok, model, text)
+    per_batch = args.seq_len * args.batch_size
+    need = args.tokens + per_batch  # plus one held-out batch for the clip search
+    if ids.numel() < need:
+        print(f"oscar calibrate: {desc} has {ids.numel()} tokens, fewer than the {need} asked for: using all of it")
+    batches = token_batches(ids, args.seq_len, args.batch_size, max_tokens=need)
+    stats = collect_statistics(model, batches, data_description=desc, skip_first=args.skip_first)
+    artifacts = derive_artifacts(stats, args.method, group_size=args.group_size)
+    out = artifacts.save(args.out)
+    print(artifacts.summary())
+    print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="oscar", description="2-bit KV-cache quantization for LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--diff", action="store_true", help="print the graphs before/after as a unified diff")
     exp.add_argument("--graphs", action="store_true", help="print the full graphs before and after")
     exp.set_defaults(func=_explain)
+
+    cal = sub.add_parser("calibrate", help="derive OSCAR rotations and clip ratios for a model; write an artifact")
+    cal.add_argument("--model", default="smollm2-135m", help="packaged model name, checkpoint dir, .gguf, or tiny:<family>")
+    cal.add_argument("--data", default="debian-handbook", help="a text file, or a packaged text (debian-handbook, ...)")
+    cal.add_argument("--tokens", type=int, default=32768, help="calibration tokens (one more batch is held out)")
+    cal.add_argument("--method", default="default", help="identity | hadamard | oscar[+kmean|+vmean|+mean][+scale][+clip|-clip]")
+    cal.add_argument("--seq-len", type=int, default=512)
+    cal.add_argument("--batch-size", type=int, default=4)
+    cal.add_argument("--group-size", type=int, default=None)
+    cal.add_argument("--skip-first", type=int, default=4, help="leading positions (attention sinks) left out of the statistics")
+    cal.add_argument("--out", required=True, help="artifact directory to write")
+    cal.set_defaults(func=_calibrate)
 
     args = parser.parse_args(argv)
     return args.func(args)

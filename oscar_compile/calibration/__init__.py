@@ -1,1 +1,8 @@
-"""Calibration: tracer, covariance statistics, OSCAR rotations, artifacts."""
+"""Calibration: the tracer, covariance statistics, OSCAR rotations, clip search and artifacts."""
+
+from .artifacts import ArtifactError, Artifacts, load_artifacts
+from .rotations import DEFAULT_METHOD, MethodSpec, parse_method
+from .tracer import CalibrationStats, calibrate, collect_statistics, derive_artifacts, token_batches
+
+__all__ = ["calibrate", "collect_statistics", "derive_artifacts", "CalibrationStats", "token_batches", "Artifacts", "ArtifactError", "load_artifacts", "parse_method", "MethodSpec",
+           "DEFAULT_METHOD"]

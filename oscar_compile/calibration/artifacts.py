@@ -1,0 +1,179 @@
+"""Calibration artifacts: ``oscar.safetensors`` (every tensor) + ``oscar.json`` (the manifest).
+
+Loading reads a JSON file and a safetensors file and nothing else: no pickle, no code. Every
+check names what did not match: a missing or corrupt file, an unknown format version, a model with
+other shapes or other attention weights than the one calibrated.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..cache import LayerTransforms
+
+FORMAT_VERSION = 1
+MANIFEST, TENSORS = "oscar.json", "oscar.safetensors"
+_ATTENTION_NAME_PARTS = ("attn", "attention", "q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "qkv")
+
+
+class ArtifactError(ValueError):
+    """The artifact is missing, corrupt, of an unknown version, or was made for another model."""
+
+
+def attention_weights_hash(model: torch.nn.Module) -> str:
+    """sha256 over the model's attention parameters (names containing attn/attention/q_proj/...,
+    all parameters if none match), in name order, as float32 bytes."""
+    params = sorted(model.named_parameters(), key=lambda kv: kv[0])
+    chosen = [(n, p) for n, p in params if any(part in n.lower() for part in _ATTENTION_NAME_PARTS)] or params
+    h = hashlib.sha256()
+    for name, p in chosen:
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def model_fingerprint(model: torch.nn.Module, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+    config = getattr(model, "config", None)
+    arch = (getattr(config, "architectures", None) or [type(model).__name__])[0]
+    return {"architecture": arch, "num_layers": num_layers, "num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim, "attention_weights_sha256": attention_weights_hash(model)}
+
+
+@dataclass
+class Artifacts:
+    """Per-layer transforms and clip ratios for one model, with where they came from."""
+
+    method: str
+    layers: list[LayerTransforms]
+    fingerprint: dict
+    calibration: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
+    created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+
+    @property
+    def clip_ratios(self) -> list[tuple[float, float]]:
+        return [(t.key_clip, t.value_clip) for t in self.layers]
+
+    def layer_transforms(self, layer: int, num_kv_heads: int, head_dim: int) -> LayerTransforms:
+        """Transforms of attention layer ``layer``; raises if the model does not match the artifact."""
+        fp = self.fingerprint
+        if not 0 <= layer < len(self.layers):
+            raise ArtifactError(f"oscar: the model has an attention layer {layer}, but the artifact covers "
+                                f"{len(self.layers)} layers ({fp.get('architecture')})")
+        if (num_kv_heads, head_dim) != (fp["num_kv_heads"], fp["head_dim"]):
+            raise ArtifactError(f"oscar: layer {layer} has {num_kv_heads} KV heads of dim {head_dim}, the artifact was "
+                                f"made for {fp['num_kv_heads']} of dim {fp['head_dim']} ({fp.get('architecture')})")
+        return self.layers[layer]
+
+    def validate(self, model: torch.nn.Module, check_weights: bool = True) -> None:
+        """Raise :class:`ArtifactError` naming the mismatch if ``model`` is not the calibrated model."""
+        fp = self.fingerprint
+        config = getattr(model, "config", None)
+        if config is not None:
+            cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+            checks = {
+                "num_layers": getattr(cfg, "num_hidden_layers", None),
+                "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", None),
+                "num_q_heads": getattr(cfg, "num_attention_heads", None),
+            }
+            for key, got in checks.items():
+                if got is not None and got != fp[key]:
+                    raise ArtifactError(f"oscar: the artifact was made for {fp[key]} {key.replace('_', ' ')}, the model has "
+                                        f"{got} ({fp.get('architecture')} artifact)")
+        if check_weights:
+            got = attention_weights_hash(model)
+            if got != fp["attention_weights_sha256"]:
+                raise ArtifactError(
+                    f"oscar: the model's attention weights differ from the calibrated model's (sha256 {got[:12]}... vs "
+                    f"{fp['attention_weights_sha256'][:12]}...): recalibrate, or pass check_weights=False to use it anyway"
+                )
+
+    # ---------------------------------------------------------------- files
+    def save(self, directory) -> Path:
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for i, tr in enumerate(self.layers):
+            for name in tr._tensor_names():
+                tensors[f"layers.{i}.{name}"] = getattr(tr, name).detach().float().cpu().contiguous()
+        save_file(tensors, str(d / TENSORS))
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "method": self.method,
+            "model": self.fingerprint,
+            "calibration": self.calibration,
+            "options": self.options,
+            "clip_ratios": [{"key": k, "value": v} for k, v in self.clip_ratios],
+            "created": self.created,
+            "oscar_compile_version": _version(),
+            "tensors_sha256": hashlib.sha256((d / TENSORS).read_bytes()).hexdigest(),
+        }
+        (d / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        return d
+
+    @classmethod
+    def load(cls, directory) -> "Artifacts":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        for name in (MANIFEST, TENSORS):
+            if not (d / name).is_file():
+                raise ArtifactError(f"oscar: {d / name} is missing: is {d} an oscar artifact directory (oscar calibrate --out)?")
+        try:
+            manifest = json.loads((d / MANIFEST).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ArtifactError(f"oscar: {d / MANIFEST} is not valid JSON ({e})") from None
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        if version != FORMAT_VERSION:
+            raise ArtifactError(f"oscar: {d / MANIFEST} has format version {version!r}; this oscar-compile reads "
+                                f"version {FORMAT_VERSION}")
+        digest = hashlib.sha256((d / TENSORS).read_bytes()).hexdigest()
+        if manifest.get("tensors_sha256") not in (None, digest):
+            raise ArtifactError(f"oscar: {d / TENSORS} does not match its manifest (sha256 {digest[:12]}...): corrupt or replaced")
+        try:
+            tensors = load_file(str(d / TENSORS))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ArtifactError(f"oscar: {d / TENSORS} is not a readable safetensors file ({e})") from None
+        fp = manifest["model"]
+        clips = manifest["clip_ratios"]
+        layers = []
+        for i in range(fp["num_layers"]):
+            try:
+                tr = LayerTransforms(**{n: tensors[f"layers.{i}.{n}"] for n in LayerTransforms._tensor_names()},
+                                     key_clip=float(clips[i]["key"]), value_clip=float(clips[i]["value"]))
+            except (KeyError, IndexError) as e:
+                raise ArtifactError(f"oscar: {d} lacks layer {i} ({e})") from None
+            tr.validate(fp["num_kv_heads"], fp["head_dim"])
+            layers.append(tr)
+        return cls(manifest["method"], layers, fp, manifest.get("calibration", {}), manifest.get("options", {}),
+                   manifest.get("created", ""))
+
+    def summary(self) -> str:
+        fp, cal = self.fingerprint, self.calibration
+        lines = [f"method {self.method}; {fp['architecture']}: {fp['num_layers']} layers, {fp['num_q_heads']} q / "
+                 f"{fp['num_kv_heads']} kv heads, head_dim {fp['head_dim']}",
+                 f"calibrated on {cal.get('tokens', '?')} tokens of {cal.get('data', '?')} "
+                 f"({cal.get('heldout_tokens', '?')} held out for the clip search) in {cal.get('seconds', 0):.0f} s"]
+        lines.append("layer  key clip  value clip")
+        lines += [f"{i:>5}  {k:8.3f}  {v:10.3f}" for i, (k, v) in enumerate(self.clip_ratios)]
+        return "\n".join(lines)
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def load_artifacts(directory) -> Artifacts:
+    """Load an artifact directory written by :meth:`Artifacts.save` / ``oscar calibrate``."""
+    return Artifacts.load(directory)

@@ -1,0 +1,74 @@
+"""Attention-aware errors of a layer's INT2 cache, and the clip-ratio search that minimises them.
+
+On held-out sequences (queries, keys, values as the cache sees them):
+
+* key error: the logit error of every causal (query, key) pair, ``sum (q'.(k_hat' - k'))^2``; this is
+  ``e^T S_q e`` measured on real query/key pairs instead of moments;
+* value error: the output error ``|| P (v_hat' - v') B_o ||^2`` with ``P`` the real attention weights.
+
+``k'``, ``v'`` are the transformed rows the cache stores; ``k_hat'`` their INT2 round trip at a clip
+ratio. The ratio is chosen per layer, separately for K and V, from a grid.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import LayerTransforms
+from ..quant import dequantize_int2, quantize_int2
+
+CLIP_GRID = (1.0, 0.995, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92, 0.9, 0.88, 0.85, 0.8, 0.75, 0.7)
+
+
+def round_trip(x: torch.Tensor, clip: float | None, group_size: int | None) -> torch.Tensor:
+    codes, scale, mn = quantize_int2(x, group_size, clip)
+    return dequantize_int2(codes, scale, mn, group_size)
+
+
+def _causal(t: int, skip: int, device) -> torch.Tensor:
+    i = torch.arange(t, device=device)
+    return (i[None, :] <= i[:, None]) & (i[None, :] >= skip)
+
+
+def key_error(q, k, tr: LayerTransforms, clip: float, group_size=None, skip: int = 0) -> float:
+    """Query-weighted logit error of INT2 keys. ``q [B, Hq, T, d]``, ``k [B, H, T, d]``."""
+    b, hq, t, d = q.shape
+    h = k.shape[1]
+    kt = torch.einsum("bhtd,hde->bhte", k.float() - tr.key_mean[None, :, None], tr.key_transform)
+    qt = torch.einsum("bhgtd,hde->bhgte", q.float().reshape(b, h, hq // h, t, d), tr.query_transform)
+    e = round_trip(kt, clip, group_size) - kt
+    logit_err = torch.einsum("bhgtd,bhjd->bhgtj", qt, e)
+    return float((logit_err.square() * _causal(t, skip, q.device)).sum())
+
+
+def attention_probs(q, k, scale: float | None = None) -> torch.Tensor:
+    """Causal softmax weights ``[B, H, G, T, T]`` of the original (unquantized) queries and keys."""
+    b, hq, t, d = q.shape
+    h = k.shape[1]
+    s = torch.einsum("bhgtd,bhjd->bhgtj", q.float().reshape(b, h, hq // h, t, d), k.float()) * (scale or d**-0.5)
+    return torch.softmax(s.masked_fill(~_causal(t, 0, q.device), float("-inf")), dim=-1)
+
+
+def value_error(probs, v, tr: LayerTransforms, clip: float, group_size=None, skip: int = 0) -> float:
+    """Attention-weighted output error of INT2 values. ``probs [B, H, G, T, T]``, ``v [B, H, T, d]``."""
+    vt = torch.einsum("bhtd,hde->bhte", v.float() - tr.value_mean[None, :, None], tr.value_transform)
+    e = round_trip(vt, clip, group_size) - vt
+    e = torch.einsum("bhtd,hde->bhte", e, tr.output_transform)  # back to the model's basis
+    if skip:
+        e[:, :, :skip] = 0  # sink tokens stay in BF16
+    return float(torch.einsum("bhgtj,bhjd->bhgtd", probs, e).square().sum())
+
+
+def search_clip(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size=None, skip: int = 0,
+                grid=CLIP_GRID) -> tuple[float, float, dict]:
+    """Best (key_clip, value_clip) on the held-out sequences, and the errors per ratio."""
+    k_err = {r: 0.0 for r in grid}
+    v_err = {r: 0.0 for r in grid}
+    for q, k, v in zip(heldout_q, heldout_k, heldout_v):
+        probs = attention_probs(q, k)
+        for r in grid:
+            k_err[r] += key_error(q, k, tr, r, group_size, skip)
+            v_err[r] += value_error(probs, v, tr, r, group_size, skip)
+    best_k = min(grid, key=lambda r: (k_err[r], -r))
+    best_v = min(grid, key=lambda r: (v_err[r], -r))
+    return best_k, best_v, {"key_error": k_err, "value_error": v_err}

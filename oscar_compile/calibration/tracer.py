@@ -1,0 +1,145 @@
+"""``calibrate(model, batches)``: trace, accumulate statistics, derive transforms, search clip ratios."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from ..backend import OscarBackend
+from .artifacts import Artifacts, model_fingerprint
+from .clipping import CLIP_GRID, search_clip
+from .rotations import derive_transforms, parse_method
+from .statistics import StatsObserver
+
+
+def hf_forward(model, batch: torch.Tensor):
+    """One calibration forward of a transformers causal LM: a prefill into a fresh DynamicCache."""
+    from transformers import DynamicCache
+
+    from ..testing import cache_kwarg
+
+    inner = getattr(model, "_orig_mod", model)
+    return model(batch, **{cache_kwarg(inner): DynamicCache(config=inner.config)}, use_cache=True)
+
+
+@dataclass
+class CalibrationStats:
+    """What one calibration pass collected; any method's artifacts can be derived from it."""
+
+    observer: StatsObserver
+    fingerprint: dict
+    info: dict
+
+
+def collect_statistics(
+    model: torch.nn.Module,
+    batches: Iterable[torch.Tensor],
+    *,
+    heldout_batches: int = 1,
+    skip_first: int = 4,
+    forward: Callable | None = None,
+    data_description: str = "",
+    progress: bool = True,
+) -> CalibrationStats:
+    """Run ``model`` on ``batches`` in observe mode and accumulate the per-layer statistics.
+
+    Every attention call is found by the backend's matcher (no per-model hooks): the model runs
+    unchanged and the post-RoPE queries, keys and values the cache would store are accumulated per
+    (layer, KV head) in float64. The last ``heldout_batches`` batches are kept whole for the clip
+    search instead. ``forward(model, batch)`` runs one batch (default: a transformers prefill into a
+    fresh ``DynamicCache``). Positions ``< skip_first`` (attention sinks) are left out of the statistics.
+    """
+    batches = list(batches)
+    if len(batches) <= heldout_batches:
+        raise ValueError(f"oscar calibrate: {len(batches)} batch(es) cannot hold out {heldout_batches} for the clip "
+                         "search and still leave data for the statistics")
+    forward = forward or hf_forward
+    observer = StatsObserver(skip_first=skip_first)
+    backend = OscarBackend(observer=observer, inductor=False, validate=False)
+    compiled = torch.compile(model, backend=backend)
+    t0 = time.perf_counter()
+    tokens = heldout = 0
+    device = next(model.parameters()).device
+    iterator = batches
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(batches, desc="oscar calibrate", unit="batch")
+    with torch.no_grad():
+        for i, batch in enumerate(iterator):
+            observer.phase = "heldout" if i >= len(batches) - heldout_batches else "stats"
+            forward(compiled, batch.to(device))
+            if observer.phase == "stats":
+                tokens += batch.numel()
+            else:
+                heldout += batch.numel()
+    torch._dynamo.reset()  # drop the observe-mode graphs: the model's next compile starts clean
+    if not observer.layers:
+        raise RuntimeError("oscar calibrate: no attention call was matched in the model: run `oscar explain` to see why")
+    layers = sorted(observer.layers)
+    if layers != list(range(len(layers))):
+        raise RuntimeError(f"oscar calibrate: attention layers {layers} are not numbered 0..{len(layers) - 1}")
+    first = observer.layers[0]
+    fingerprint = model_fingerprint(model, len(layers), first.num_q_heads, first.num_kv_heads, first.head_dim)
+    info = {"data": data_description, "tokens": tokens, "heldout_tokens": heldout, "batches": len(batches),
+            "batch_shape": list(batches[0].shape), "skip_first": skip_first,
+            "seconds": round(time.perf_counter() - t0, 1)}
+    return CalibrationStats(observer, fingerprint, info)
+
+
+def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_size: int | None = None,
+                     clip_grid=CLIP_GRID) -> Artifacts:
+    """Transforms and clip ratios of ``method`` from collected statistics."""
+    spec = parse_method(method)
+    obs = stats.observer
+    transforms = []
+    for layer in range(len(obs.layers)):
+        tr = derive_transforms(obs.layers[layer], spec)
+        if spec.clip_search:
+            h = obs.heldout.get(layer)
+            if h is None or not h.q:
+                raise ValueError("oscar calibrate: the clip search needs held-out batches (heldout_batches >= 1)")
+            tr.key_clip, tr.value_clip, _ = search_clip(h.q, h.k, h.v, tr, group_size, obs.skip_first, clip_grid)
+        transforms.append(tr)
+    return Artifacts(
+        method=spec.name, layers=transforms, fingerprint=stats.fingerprint, calibration=dict(stats.info),
+        options={"group_size": group_size, "clip_grid": list(clip_grid) if spec.clip_search else None,
+                 "method_spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__}},
+    )
+
+
+def calibrate(
+    model: torch.nn.Module,
+    batches: Iterable[torch.Tensor],
+    method: str = "default",
+    *,
+    heldout_batches: int = 1,
+    skip_first: int = 4,
+    group_size: int | None = None,
+    clip_grid=CLIP_GRID,
+    forward: Callable | None = None,
+    data_description: str = "",
+    progress: bool = True,
+) -> Artifacts:
+    """Calibrate ``model`` on token ``batches`` (``[B, T]`` LongTensors) and return :class:`Artifacts`.
+
+    :func:`collect_statistics` then :func:`derive_artifacts`; see both. Deterministic.
+    """
+    stats = collect_statistics(model, batches, heldout_batches=heldout_batches, skip_first=skip_first,
+                               forward=forward, data_description=data_description, progress=progress)
+    return derive_artifacts(stats, method, group_size=group_size, clip_grid=clip_grid)
+
+
+def token_batches(token_ids: list[int] | torch.Tensor, seq_len: int, batch_size: int, max_tokens: int | None = None):
+    """Cut a token stream into ``[batch_size, seq_len]`` batches (drops the ragged end)."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    per = seq_len * batch_size
+    n = ids.numel() // per
+    if n == 0:
+        raise ValueError(f"oscar: {ids.numel()} tokens do not fill one batch of {batch_size} x {seq_len}")
+    return list(ids[: n * per].view(n, batch_size, seq_len))

@@ -1,0 +1,194 @@
+import json
+
+import pytest
+import torch
+
+import oscar_compile
+from oscar_compile.calibration import ArtifactError, Artifacts, calibrate, load_artifacts, parse_method
+from oscar_compile.calibration.clipping import attention_probs, key_error, search_clip, value_error
+from oscar_compile.calibration.rotations import bit_reversal_permutation, derive_transforms
+from oscar_compile.calibration.statistics import StatsObserver
+from oscar_compile.cli import main as cli_main
+from oscar_compile.testing import FAMILIES, TinyDecoder, make_hf_cache, prefill_and_decode, tiny_model
+
+
+def _qkv(gen, b=3, hkv=2, g=3, t=20, d=16):
+    return (torch.randn(b, hkv * g, t, d, generator=gen), torch.randn(b, hkv, t, d, generator=gen) + 0.5,
+            torch.randn(b, hkv, t, d, generator=gen))
+
+
+def test_statistics_match_a_direct_batch_computation():
+    gen = torch.Generator().manual_seed(0)
+    obs = StatsObserver(skip_first=2)
+    batches = [_qkv(gen) for _ in range(3)]
+    for q, k, v in batches:
+        obs.record(0, q, k, v, torch.arange(q.shape[2]))
+    st = obs.layers[0]
+    # direct: all tokens at positions >= 2, per KV head, in float64
+    q = torch.cat([x[0] for x in batches]).double()[:, :, 2:]
+    k = torch.cat([x[1] for x in batches]).double()[:, :, 2:]
+    v = torch.cat([x[2] for x in batches]).double()[:, :, 2:]
+    qg = q.reshape(q.shape[0], 2, 3, -1, 16)
+    s_q = torch.einsum("bhgtd,bhgte->hde", qg, qg) / (qg.shape[0] * 3 * qg.shape[3])
+    torch.testing.assert_close(st.query_second_moment, s_q, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(st.key_mean, k.mean((0, 2)), rtol=1e-12, atol=1e-12)
+    n = k.shape[0] * k.shape[2]
+    torch.testing.assert_close(st.key_second_moment(), torch.einsum("bhtd,bhte->hde", k, k) / n, rtol=1e-12, atol=1e-12)
+    cov = torch.einsum("bhtd,bhte->hde", k - k.mean((0, 2), keepdim=True), k - k.mean((0, 2), keepdim=True)) / n
+    torch.testing.assert_close(st.key_second_moment(about=st.key_mean), cov, rtol=1e-10, atol=1e-12)
+    assert st.token_count == n and st.query_count == n * 3
+    # S_v: one pass, each batch weighted with the running S_q (including itself)
+    expect = torch.zeros(2, 16, 16, dtype=torch.float64)
+    wsum = torch.zeros(2, dtype=torch.float64)
+    for i in range(3):
+        qs = qg[: 3 * (i + 1)]
+        running = torch.einsum("bhgtd,bhgte->hde", qs, qs) / (qs.shape[0] * 3 * qs.shape[3])
+        kb, vb = k[3 * i: 3 * i + 3], v[3 * i: 3 * i + 3]
+        w = torch.einsum("bhtd,hde,bhte->bht", kb, running, kb)
+        expect += torch.einsum("bht,bhtd,bhte->hde", w, vb, vb)
+        wsum += w.sum((0, 2))
+    torch.testing.assert_close(st.weighted_value_second_moment(), expect / wsum[:, None, None], rtol=1e-10, atol=1e-12)
+
+
+def test_bit_reversal_permutation():
+    assert bit_reversal_permutation(8).tolist() == [0, 4, 2, 6, 1, 5, 3, 7]
+    assert sorted(bit_reversal_permutation(64).tolist()) == list(range(64))
+
+
+def _planted(seed, b):
+    """Queries in a rank-4 subspace; keys with two outlier channels and a large mean."""
+    gen = torch.Generator().manual_seed(seed)
+    d = 64
+    basis = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator().manual_seed(99)))[0][:, :4].T
+    q = torch.randn(b, 2, 96, 4, generator=gen) @ (basis * 3) + 0.05 * torch.randn(b, 2, 96, d, generator=gen)
+    chan = torch.ones(d)
+    chan[[3, 17]] = 8.0
+    k = torch.randn(b, 1, 96, d, generator=gen) * chan + 2.0
+    v = torch.randn(b, 1, 96, d, generator=gen) * torch.linspace(0.2, 3, d)
+    return q, k, v
+
+
+def test_oscar_rotations_orthogonal_and_better_than_hadamard_and_identity_on_planted_structure():
+    obs = StatsObserver(skip_first=0)
+    for seed in range(4):
+        obs.record(0, *_planted(seed, 4), torch.arange(96))
+    q, k, v = _planted(100, 2)  # held out
+    probs = attention_probs(q, k)
+    errs = {}
+    for method in ("identity", "hadamard", "oscar", "oscar+mean+scale"):
+        tr = derive_transforms(obs.layers[0], parse_method(method))
+        eye = torch.eye(64)
+        if method != "oscar+mean+scale":  # pure rotations are orthogonal
+            for a in (tr.key_transform[0], tr.value_transform[0]):
+                assert (a.double() @ a.double().T - eye.double()).abs().max() < 1e-6
+        tr.validate(1, 64)  # query/output matrices invert the key/value ones
+        errs[method] = (key_error(q, k, tr, 1.0), value_error(probs, v, tr, 1.0))
+    for i in (0, 1):
+        assert errs["oscar"][i] < errs["hadamard"][i] and errs["oscar"][i] < errs["identity"][i], errs
+    assert errs["oscar+mean+scale"][0] < errs["oscar"][0] / 5, errs  # query-aware scaling: far smaller logit error
+
+
+def test_clip_search_picks_the_grid_minimum():
+    obs = StatsObserver(skip_first=0)
+    obs.record(0, *_planted(0, 4), torch.arange(96))
+    q, k, v = _planted(7, 2)
+    tr = derive_transforms(obs.layers[0], parse_method("oscar"))
+    kc, vc, errors = search_clip([q], [k], [v], tr)
+    assert errors["key_error"][kc] == min(errors["key_error"].values())
+    assert errors["value_error"][vc] == min(errors["value_error"].values())
+
+
+def test_method_names():
+    assert parse_method("default").name == "oscar+mean+scale"
+    assert parse_method("oscar").clip_search and not parse_method("hadamard").clip_search
+    assert parse_method("hadamard+clip").name == "hadamard+clip"
+    assert parse_method("oscar-clip").name == "oscar-clip"
+    with pytest.raises(ValueError, match="base must be"):
+        parse_method("rotate")
+    with pytest.raises(ValueError, match="needs the oscar eigenbasis"):
+        parse_method("hadamard+scale")
+
+
+def _batches(n=4, b=2, t=24):
+    return [torch.randint(3, 90, (b, t), generator=torch.Generator().manual_seed(i)) for i in range(n)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_calibrate_each_family_and_compile_with_the_artifact(family, tmp_path):
+    model = tiny_model(family)
+    art = calibrate(model, _batches(), method="default", progress=False, data_description="random tokens")
+    assert len(art.layers) == model.config.num_hidden_layers and art.calibration["tokens"] == 3 * 2 * 24
+    for k_clip, v_clip in art.clip_ratios:
+        assert 0 < k_clip <= 1 and 0 < v_clip <= 1
+    art.save(tmp_path)
+    again = load_artifacts(tmp_path)
+    again.validate(model)
+    backend = oscar_compile.oscar_backend(again, inductor=False, num_sinks=1, window=2)
+    logits = prefill_and_decode(torch.compile(model, backend=backend), _batches(1)[0], make_hf_cache("oscar", model, 40, 2), 3)
+    assert torch.isfinite(logits).all()
+    assert all(len(g.rewritten) == model.config.num_hidden_layers for g in backend.graphs)
+
+
+def test_calibrate_hand_written_decoder():
+    model = TinyDecoder()
+    art = calibrate(model, _batches(), forward=lambda m, x: m(x, torch.arange(x.shape[1])), progress=False)
+    assert len(art.layers) == 2 and art.fingerprint["num_kv_heads"] == 2 and art.fingerprint["head_dim"] == 16
+
+
+def test_calibration_is_deterministic():
+    model = tiny_model("qwen2")
+    a = calibrate(model, _batches(), progress=False)
+    b = calibrate(model, _batches(), progress=False)
+    for ta, tb in zip(a.layers, b.layers):
+        assert torch.equal(ta.key_transform, tb.key_transform) and ta.key_clip == tb.key_clip
+
+
+def test_artifact_errors_name_the_problem(tmp_path):
+    model = tiny_model("llama")
+    art = calibrate(model, _batches(), method="oscar+mean", progress=False)
+    d = art.save(tmp_path / "a")
+    loaded = load_artifacts(d)
+    assert loaded.method == "oscar+mean" and loaded.clip_ratios == art.clip_ratios
+    for x, y in zip(loaded.layers, art.layers):
+        assert torch.equal(x.key_transform, y.key_transform) and torch.equal(x.value_mean, y.value_mean)
+
+    with pytest.raises(ArtifactError, match="missing"):
+        load_artifacts(tmp_path / "nowhere")
+    manifest = json.loads((d / "oscar.json").read_text())
+    (d / "oscar.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    with pytest.raises(ArtifactError, match="format version 99"):
+        load_artifacts(d)
+    (d / "oscar.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="not valid JSON"):
+        load_artifacts(d)
+    (d / "oscar.json").write_text(json.dumps(manifest))
+    raw = bytearray((d / "oscar.safetensors").read_bytes())
+    raw[-5] ^= 0xFF
+    (d / "oscar.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(ArtifactError, match="does not match its manifest"):
+        load_artifacts(d)
+
+    other = tiny_model("llama", seed=1)  # same shapes, other weights
+    with pytest.raises(ArtifactError, match="attention weights differ"):
+        art.validate(other)
+    with pytest.raises(ArtifactError, match="attention weights differ"):
+        oscar_compile.compile(other, art)
+    other_shape = tiny_model("gpt2")  # 4 KV heads, not 2
+    with pytest.raises(ArtifactError, match="KV heads of dim"):
+        art.layer_transforms(0, 2, 32)
+    backend = oscar_compile.oscar_backend(art, inductor=False)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="4 KV heads of dim 16, the artifact was made for 2"):
+        prefill_and_decode(torch.compile(other_shape, backend=backend), _batches(1)[0],
+                           make_hf_cache("oscar", other_shape, 40, 2), 1)
+
+
+def test_cli_calibrate(tmp_path, capsys):
+    data = tmp_path / "text.txt"
+    data.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    rc = cli_main(["calibrate", "--model", "tiny:llama", "--data", str(data), "--tokens", "256", "--seq-len", "32",
+                   "--batch-size", "2", "--method", "oscar", "--out", str(tmp_path / "art")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "layer  key clip  value clip" in out and "wrote" in out
+    art = load_artifacts(tmp_path / "art")
+    assert art.method == "oscar" and art.calibration["tokens"] == 256
