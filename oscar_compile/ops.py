@@ -105,6 +105,53 @@ def _attention_fake(
     return q.new_empty(q.shape)  # contiguous, like the real output
 
 
+def triton_supported(head_dim: int, num_groups: int) -> bool:
+    """Shapes the Triton kernels take (tl.dot needs d/4 >= 16; tl.arange needs powers of two)."""
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    return head_dim in (64, 128, 256) and pow2(num_groups)
+
+
+def _register_triton_kernels() -> bool:
+    """Make the Triton kernels the CUDA implementation of both ops (the reference stays the fallback)."""
+    import os
+
+    if os.environ.get("OSCAR_KERNELS", "triton") == "reference":
+        return False
+    try:
+        from .kernels.triton_attention import attention_triton
+        from .kernels.triton_store import store_triton
+    except Exception as e:  # no usable Triton: the reference serves CUDA too
+        import logging
+
+        logging.getLogger("oscar_compile").warning("oscar: Triton kernels unavailable (%s); using the reference ops", e)
+        return False
+
+    @store.register_kernel("cuda")
+    def _store_cuda(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
+                    key_transform, key_mean, value_transform, value_mean, key_clip, value_clip):
+        args = (k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
+                key_transform, key_mean, value_transform, value_mean, key_clip, value_clip)
+        if triton_supported(k.shape[-1], k_meta.shape[-1] // 2):
+            return store_triton(*args)
+        return store_reference(*args)
+
+    @attention.register_kernel("cuda")
+    def _attention_cuda(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring,
+                        block_table, query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
+                        k_chunk=None, v_chunk=None, chunk_positions=None):
+        args = (q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
+                query_transform, output_transform, value_mean, attn_mask, is_causal, scale, k_chunk, v_chunk,
+                chunk_positions)
+        if triton_supported(q.shape[-1], k_meta.shape[-1] // 2):
+            return attention_triton(*args)
+        return attention_reference(*args)
+
+    return True
+
+
+TRITON_ON_CUDA = torch.cuda.is_available() and _register_triton_kernels()
+
+
 class UnrewrittenCacheError(RuntimeError):
     """A graph read an OscarCache tensor that oscar_backend did not rewrite (it holds no data)."""
 

@@ -4,6 +4,11 @@ import tempfile
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run in Triton's interpreter; the variable is read when @triton.jit
+# runs, so it must be set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Inductor's FX graph cache does not notice a changed fake implementation: start every run fresh.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="oscar-inductor-"))
 torch.set_num_threads(max(1, min(torch.get_num_threads(), int(os.environ.get("OMP_NUM_THREADS", "1")))))

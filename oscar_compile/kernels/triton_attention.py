@@ -1,0 +1,372 @@
+"""Triton ``oscar::attention``: split-KV attention over BF16 sinks, INT2 pages and the BF16 ring.
+
+Beside it, :func:`oscar_compile.kernels.attention.attention_reference` is the oracle (same semantics).
+
+Work decomposition (flash-decoding): one program per (sequence row, KV head, block of query rows,
+split). The query rows of a KV head are its whole GQA group times the query tokens (row
+``r = t * G + g``), so every loaded KV tile serves all query heads that read it; KV is never
+repeated. Splits ``0 .. NSPLIT-1`` share the INT2 page region of the row; the last split takes the
+BF16 keys (sinks, the ring and the new chunk). A second kernel merges the splits' partial softmax
+states, un-rotates (``o' B_o + mu_v``) and writes the output.
+
+INT2 in registers, never in memory: a ``[BLOCK_N, d/4]`` byte tile is loaded once and its four
+quartered slices are expanded with one shift and mask each. With one (scale, min) per row
+(``g = d``) dequantization folds into the dot products, per key rather than per element::
+
+    q'.k_hat = scale * sum_i q'_i . c_i + min * sum(q')          (c_i: the codes of quarter i)
+    P V_hat  = (P * scale) @ c  + (P @ min)
+
+so the inner loop issues only shifts, masks, conversions and ``tl.dot`` (bf16/fp16 tensor cores).
+Smaller groups dequantize per element. The query is rotated in-kernel (``q B_q``, one ``d x d`` dot
+per program) and the output un-rotated in the merge kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_attention
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _scores_bf16(qq0, qq1, qq2, qq3, base, d4, rows_ok, D4: tl.constexpr, DT: tl.constexpr):
+    """``q' . k`` for a tile of BF16 keys whose row addresses are ``base [N]``."""
+    k0 = tl.load(base[:, None] + d4[None, :], mask=rows_ok[:, None], other=0.0).to(DT)
+    k1 = tl.load(base[:, None] + D4 + d4[None, :], mask=rows_ok[:, None], other=0.0).to(DT)
+    k2 = tl.load(base[:, None] + 2 * D4 + d4[None, :], mask=rows_ok[:, None], other=0.0).to(DT)
+    k3 = tl.load(base[:, None] + 3 * D4 + d4[None, :], mask=rows_ok[:, None], other=0.0).to(DT)
+    s = tl.dot(qq0, tl.trans(k0))
+    s = tl.dot(qq1, tl.trans(k1), s)
+    s = tl.dot(qq2, tl.trans(k2), s)
+    s = tl.dot(qq3, tl.trans(k3), s)
+    return s
+
+
+@triton.jit
+def _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
+             IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr):
+    """Apply causality and the user mask to scores ``s [M, N]`` (already scaled by log2(e)/sqrt(d))."""
+    vis = key_ok[None, :]
+    if IS_CAUSAL:
+        vis = vis & (j[None, :] <= row_pos[:, None])
+    if MASK_KIND != 0:
+        in_mask = j < mask_len
+        mptr = mask_ptr + b * smk_b + row_hq[:, None] * smk_h + row_t[:, None] * smk_t + tl.where(in_mask, j, 0)[None, :] * smk_j
+        if MASK_KIND == 1:
+            mv = tl.load(mptr, mask=vis & in_mask[None, :], other=0)
+            vis = vis & in_mask[None, :] & (mv != 0)
+        else:
+            mv = tl.load(mptr, mask=vis & in_mask[None, :], other=float("-inf")).to(tl.float32)
+            vis = vis & in_mask[None, :] & (mv > float("-inf"))
+            s = s + mv * 1.4426950408889634
+    return tl.where(vis, s, float("-inf"))
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr, sq_b, sq_h, sq_t, pos_ptr, sp_b, len_ptr, sl_b,
+    c0_ptr, cend_ptr, kch_ptr, vch_ptr, sch_b, sch_t, sch_h,
+    kc_ptr, km_ptr, vc_ptr, vm_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, bt_ptr, sbt_b,
+    sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
+    bq_ptr, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
+    part_m_ptr, part_l_ptr, part_o_ptr,
+    T, M_TOTAL, qk_scale, keys_per_split,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
+    S: tl.constexpr, W: tl.constexpr, PS: tl.constexpr, MAX_PAGES: tl.constexpr, NSPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_CHUNK: tl.constexpr, DT: tl.constexpr,
+):
+    D4: tl.constexpr = D // 4
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    m_block = tl.program_id(1)
+    split = tl.program_id(2)
+
+    r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < M_TOTAL
+    row_t = r // G
+    row_hq = h * G + r % G
+    row_pos = tl.load(pos_ptr + b * sp_b + tl.where(row_ok, row_t, 0), mask=row_ok, other=-1).to(tl.int64)
+    length = tl.load(len_ptr + b * sl_b).to(tl.int64)
+    if HAS_CHUNK:
+        c0 = tl.load(c0_ptr + b).to(tl.int64)
+        c_end = tl.load(cend_ptr + b).to(tl.int64)
+    else:
+        c0 = length
+        c_end = length
+    page_end = tl.maximum(tl.minimum(length - W, c0), S)  # INT2 keys: [S, page_end)
+
+    # q' = q @ B_q, one quarter of the output channels at a time, scaled for exp2.
+    dcol = tl.arange(0, D)
+    d4 = tl.arange(0, D4)
+    qrow = q_ptr + b * sq_b + row_hq[:, None] * sq_h + row_t[:, None] * sq_t + dcol[None, :]
+    qv = tl.load(qrow, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    bq = bq_ptr + h * D * D + dcol[:, None] * D
+    qq0 = tl.dot(qv, tl.load(bq + d4[None, :]), input_precision="ieee") * qk_scale
+    qq1 = tl.dot(qv, tl.load(bq + D4 + d4[None, :]), input_precision="ieee") * qk_scale
+    qq2 = tl.dot(qv, tl.load(bq + 2 * D4 + d4[None, :]), input_precision="ieee") * qk_scale
+    qq3 = tl.dot(qv, tl.load(bq + 3 * D4 + d4[None, :]), input_precision="ieee") * qk_scale
+    qsum = tl.sum(qq0, 1) + tl.sum(qq1, 1) + tl.sum(qq2, 1) + tl.sum(qq3, 1)
+    qq0 = qq0.to(DT)
+    qq1 = qq1.to(DT)
+    qq2 = qq2.to(DT)
+    qq3 = qq3.to(DT)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    a0 = tl.zeros([BLOCK_M, D4], tl.float32)
+    a1 = tl.zeros([BLOCK_M, D4], tl.float32)
+    a2 = tl.zeros([BLOCK_M, D4], tl.float32)
+    a3 = tl.zeros([BLOCK_M, D4], tl.float32)
+    nblk = tl.arange(0, BLOCK_N)
+
+    if split < NSPLIT:
+        # ---------------- INT2 pages: keys [lo, hi) of the page region
+        lo = S + split * keys_per_split
+        hi = tl.minimum(lo + keys_per_split, page_end)
+        for j0 in range(lo, hi, BLOCK_N):
+            j = j0 + nblk
+            key_ok = j < hi
+            qi = tl.where(key_ok, j - S, 0)
+            page = tl.load(bt_ptr + b * sbt_b + qi // PS, mask=key_ok, other=0).to(tl.int64)
+            page = tl.where(page >= 0, page, 0)
+            rowoff = page * sc_p + (qi % PS) * sc_s + h * sc_h
+            metaoff = page * sm_p + (qi % PS) * sm_s + h * sm_h
+            codes = tl.load(kc_ptr + rowoff[:, None] + d4[None, :], mask=key_ok[:, None], other=0).to(tl.int32)
+            if NG == 1:
+                ks = tl.load(km_ptr + metaoff, mask=key_ok, other=0.0).to(tl.float32)
+                kmn = tl.load(km_ptr + metaoff + 1, mask=key_ok, other=0.0).to(tl.float32)
+                s = tl.dot(qq0, tl.trans((codes & 3).to(DT)))
+                s = tl.dot(qq1, tl.trans(((codes >> 2) & 3).to(DT)), s)
+                s = tl.dot(qq2, tl.trans(((codes >> 4) & 3).to(DT)), s)
+                s = tl.dot(qq3, tl.trans(((codes >> 6) & 3).to(DT)), s)
+                s = s * ks[None, :] + qsum[:, None] * kmn[None, :]
+            else:
+                GS: tl.constexpr = D // NG
+                s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for quarter in tl.static_range(4):
+                    grp = (quarter * D4 + d4) // GS
+                    sc = tl.load(km_ptr + metaoff[:, None] + grp[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
+                    mn = tl.load(km_ptr + metaoff[:, None] + NG + grp[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
+                    x = (((codes >> (2 * quarter)) & 3).to(tl.float32) * sc + mn).to(DT)
+                    qq = qq0 if quarter == 0 else (qq1 if quarter == 1 else (qq2 if quarter == 2 else qq3))
+                    s = tl.dot(qq, tl.trans(x), s)
+            s = _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
+                         IS_CAUSAL, MASK_KIND)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            a0 *= alpha[:, None]
+            a1 *= alpha[:, None]
+            a2 *= alpha[:, None]
+            a3 *= alpha[:, None]
+            vcodes = tl.load(vc_ptr + rowoff[:, None] + d4[None, :], mask=key_ok[:, None], other=0).to(tl.int32)
+            if NG == 1:
+                vs = tl.load(vm_ptr + metaoff, mask=key_ok, other=0.0).to(tl.float32)
+                vmn = tl.load(vm_ptr + metaoff + 1, mask=key_ok, other=0.0).to(tl.float32)
+                ps = (p * vs[None, :]).to(DT)
+                pm = tl.sum(p * vmn[None, :], 1)[:, None]
+                a0 = tl.dot(ps, (vcodes & 3).to(DT), a0) + pm
+                a1 = tl.dot(ps, ((vcodes >> 2) & 3).to(DT), a1) + pm
+                a2 = tl.dot(ps, ((vcodes >> 4) & 3).to(DT), a2) + pm
+                a3 = tl.dot(ps, ((vcodes >> 6) & 3).to(DT), a3) + pm
+            else:
+                GS2: tl.constexpr = D // NG
+                pd = p.to(DT)
+                for quarter in tl.static_range(4):
+                    grp = (quarter * D4 + d4) // GS2
+                    sc = tl.load(vm_ptr + metaoff[:, None] + grp[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
+                    mn = tl.load(vm_ptr + metaoff[:, None] + NG + grp[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
+                    x = (((vcodes >> (2 * quarter)) & 3).to(tl.float32) * sc + mn).to(DT)
+                    if quarter == 0:
+                        a0 = tl.dot(pd, x, a0)
+                    elif quarter == 1:
+                        a1 = tl.dot(pd, x, a1)
+                    elif quarter == 2:
+                        a2 = tl.dot(pd, x, a2)
+                    else:
+                        a3 = tl.dot(pd, x, a3)
+            m_i = m_new
+    else:
+        # ---------------- BF16 keys: sinks [0, min(S, L)), then [page_end, L) from the ring or the chunk
+        n_sink = tl.minimum(length, S)
+        n_bf16 = n_sink + tl.maximum(length - page_end, 0)
+        for u0 in range(0, n_bf16, BLOCK_N):
+            u = u0 + nblk
+            key_ok = u < n_bf16
+            j = tl.where(u < n_sink, u, page_end + (u - n_sink))
+            in_sink = key_ok & (j < S)
+            in_chunk = key_ok & ~in_sink & (j >= c0) & (j < c_end)
+            in_ring = key_ok & ~in_sink & ~in_chunk
+            if W > 0:
+                ring_slot = tl.where(in_ring, j % W, 0)
+            else:
+                ring_slot = j * 0
+            row_s = b * ss_b + tl.where(in_sink, j, 0) * ss_t + h * ss_h
+            row_r = b * sr_b + ring_slot * sr_t + h * sr_h
+            kb = tl.where(in_sink, ks_ptr + row_s, kr_ptr + row_r)
+            vb = tl.where(in_sink, vs_ptr + row_s, vr_ptr + row_r)
+            if HAS_CHUNK:
+                row_c = b * sch_b + tl.where(in_chunk, j - c0, 0) * sch_t + h * sch_h
+                kb = tl.where(in_chunk, kch_ptr + row_c, kb)
+                vb = tl.where(in_chunk, vch_ptr + row_c, vb)
+            s = _scores_bf16(qq0, qq1, qq2, qq3, kb, d4, key_ok, D4, DT)
+            s = _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
+                         IS_CAUSAL, MASK_KIND)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            pd = p.to(DT)
+            vrow = vb[:, None] + d4[None, :]
+            a0 = tl.dot(pd, tl.load(vrow, mask=key_ok[:, None], other=0.0).to(DT), a0 * alpha[:, None])
+            a1 = tl.dot(pd, tl.load(vrow + D4, mask=key_ok[:, None], other=0.0).to(DT), a1 * alpha[:, None])
+            a2 = tl.dot(pd, tl.load(vrow + 2 * D4, mask=key_ok[:, None], other=0.0).to(DT), a2 * alpha[:, None])
+            a3 = tl.dot(pd, tl.load(vrow + 3 * D4, mask=key_ok[:, None], other=0.0).to(DT), a3 * alpha[:, None])
+            m_i = m_new
+
+    # partial softmax state of this split: m, l and the unnormalized output (rotated basis)
+    NS: tl.constexpr = NSPLIT + 1
+    base = (pid_bh * M_TOTAL + r) * NS + split
+    tl.store(part_m_ptr + base, m_i, mask=row_ok)
+    tl.store(part_l_ptr + base, l_i, mask=row_ok)
+    obase = part_o_ptr + base[:, None] * D + d4[None, :]
+    tl.store(obase, a0, mask=row_ok[:, None])
+    tl.store(obase + D4, a1, mask=row_ok[:, None])
+    tl.store(obase + 2 * D4, a2, mask=row_ok[:, None])
+    tl.store(obase + 3 * D4, a3, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, so_b, so_h, so_t, pos_ptr, sp_b,
+                  M_TOTAL, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
+                  NS_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < M_TOTAL
+    rbase = (pid_bh * M_TOTAL + r) * NS
+    sp = tl.arange(0, NS_P2)
+    m = tl.load(part_m_ptr + rbase[:, None] + sp[None, :], mask=row_ok[:, None] & (sp[None, :] < NS), other=float("-inf"))
+    m_max = tl.max(m, 1)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    dcol = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    for s_i in range(NS):
+        m_s = tl.load(part_m_ptr + rbase + s_i, mask=row_ok, other=float("-inf"))
+        w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_safe))
+        denom += w * tl.load(part_l_ptr + rbase + s_i, mask=row_ok, other=0.0)
+        o = tl.load(part_o_ptr + (rbase + s_i)[:, None] * D + dcol[None, :], mask=row_ok[:, None], other=0.0)
+        acc += o * w[:, None]
+    row_t = r // G
+    pos = tl.load(pos_ptr + b * sp_b + tl.where(row_ok, row_t, 0), mask=row_ok, other=-1)
+    has = (denom > 0) & (pos >= 0)
+    acc = acc / tl.where(has, denom, 1.0)[:, None]
+    bo = tl.load(bo_ptr + h * D * D + dcol[:, None] * D + dcol[None, :])
+    out = tl.dot(acc, bo, input_precision="ieee") + tl.load(muv_ptr + h * D + dcol)[None, :]
+    out = tl.where(has[:, None], out, 0.0)
+    row_hq = h * G + r % G
+    optr = out_ptr + b * so_b + row_hq[:, None] * so_h + row_t[:, None] * so_t + dcol[None, :]
+    tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    if not torch.cuda.is_available():
+        return 8
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(batch: int, kv_heads: int, m_blocks: int, page_keys: int, block_n: int, device) -> int:
+    """Splits of the page region so that even one long sequence fills the GPU (from shapes only)."""
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
+    base = max(1, batch * kv_heads * m_blocks)
+    want = -(-2 * sms // base)  # about two programs per SM
+    most = max(1, -(-page_keys // (4 * block_n)))  # at least four key blocks per split
+    return int(max(1, min(want, most, 128)))
+
+
+def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring,
+                     block_table, query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
+                     k_chunk=None, v_chunk=None, chunk_positions=None, block_n: int | None = None,
+                     splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                     dot_dtype: torch.dtype = torch.float16):
+    """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
+
+    The chunk, when given, must be the row's newest tokens (what ``store`` just returned).
+    """
+    cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
+    geo = check_attention(q, positions, seq_lens, cache, query_transform, output_transform, value_mean, attn_mask,
+                          scale, k_chunk, v_chunk, chunk_positions)
+    b, hq, t, d = q.shape
+    h = geo.num_kv_heads
+    g = hq // h
+    dev = q.device
+    pos = positions.expand(b, t) if positions.dim() == 1 else positions
+    lens = seq_lens.expand(b) if seq_lens.numel() == 1 else seq_lens
+    m_total = g * t
+    block_m = 16 if m_total <= 16 else (32 if m_total <= 32 else 64)
+    m_blocks = triton.cdiv(m_total, block_m)
+    block_n = block_n or (64 if d > 64 else 128)
+    page_keys = geo.max_pages * geo.page_size
+    nsplit = splits or num_splits(b, h, m_blocks, page_keys, block_n, dev)
+    keys_per_split = triton.cdiv(triton.cdiv(page_keys, nsplit), block_n) * block_n
+    ns = nsplit + 1
+    part_m = torch.empty(b * h * m_total * ns, dtype=torch.float32, device=dev)
+    part_l = torch.empty_like(part_m)
+    part_o = torch.empty(b * h * m_total * ns * d, dtype=torch.float32, device=dev)
+    has_chunk = k_chunk is not None
+    if has_chunk:
+        cpos = chunk_positions.expand(b, k_chunk.shape[1]) if chunk_positions.dim() == 1 else chunk_positions
+        c0 = torch.where(cpos >= 0, cpos, torch.iinfo(cpos.dtype).max).amin(-1)
+        c_end = cpos.amax(-1) + 1
+        kch, vch = k_chunk, v_chunk
+    else:
+        c0 = c_end = lens
+        kch, vch = k_sink, v_sink  # unused
+    if attn_mask is not None:
+        mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        mask = mask.expand(b, hq, t, mask.shape[-1])
+        mask_kind = 1 if mask.dtype == torch.bool else 2
+        if mask.dtype == torch.bool:
+            mask = mask.view(torch.uint8) if mask.is_contiguous() else mask.to(torch.uint8)
+        smk = mask.stride()
+        mask_len = mask.shape[-1]
+    else:
+        mask, mask_kind, smk, mask_len = q, 0, (0, 0, 0, 0), 0
+    # Tensor-core operands: fp16 (codes 0..3 are exact, q' and P keep 11 bits; BF16 cache rows convert
+    # exactly within fp16's range). bf16 keeps range for caches with |x| > 65504, at 8 bits.
+    dt = tl.bfloat16 if dot_dtype == torch.bfloat16 else tl.float16
+    out = torch.empty(b, hq, t, d, dtype=q.dtype, device=dev)
+    f32 = lambda x: x.float().contiguous()  # noqa: E731
+    _attn_kernel[(b * h, m_blocks, ns)](
+        q, q.stride(0), q.stride(1), q.stride(2), pos, pos.stride(0), lens, lens.stride(0),
+        c0, c_end, kch, vch, kch.stride(0), kch.stride(1), kch.stride(2),
+        k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table, block_table.stride(0),
+        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_meta.stride(0), k_meta.stride(1), k_meta.stride(2),
+        k_sink.stride(0), k_sink.stride(1), k_sink.stride(2), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
+        f32(query_transform), mask, smk[0], smk[1], smk[2], smk[3], mask_len,
+        part_m, part_l, part_o, t, m_total, scale * LOG2E, keys_per_split,
+        H=h, G=g, D=d, NG=geo.num_groups, S=geo.num_sinks, W=geo.window, PS=geo.page_size, MAX_PAGES=geo.max_pages,
+        NSPLIT=nsplit, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind,
+        HAS_CHUNK=has_chunk, DT=dt, num_warps=num_warps, num_stages=num_stages,
+    )
+    merge_m = 16
+    _merge_kernel[(b * h, triton.cdiv(m_total, merge_m))](
+        part_m, part_l, part_o, f32(output_transform), f32(value_mean), out, out.stride(0), out.stride(1),
+        out.stride(2), pos, pos.stride(0), m_total, H=h, G=g, D=d, NS=ns, NS_P2=triton.next_power_of_2(ns),
+        BLOCK_M=merge_m,
+    )
+    return out

@@ -1,0 +1,188 @@
+"""Triton ``oscar::store``: transform, round, clip, quantize, pack and write, in one launch.
+
+Beside it, :func:`oscar_compile.kernels.store.store_reference` is the oracle (same semantics).
+
+One program handles ``BLOCK_T`` tokens of one sequence row and one KV head, keys then values:
+
+1. ``y = (x - mu) @ A`` (``tl.dot`` against the head's ``d x d`` matrix, fp32 ``ieee``), rounded to the
+   cache dtype; written to the returned chunk ``[B, T, H, d]``.
+2. Destination by position ``p`` (``L`` = the row's newest position + 1, ``first`` its oldest new one):
+   ``p < S`` -> sink; ``p`` the last chunk position of its ring slot (``p >= L - W``) -> ring slot
+   ``p % W``, after quantizing the slot's old occupant (the old position ``q = p - W k`` just below
+   ``first``) into its page; otherwise (evicted within the chunk) -> its page directly.
+   Each ring slot has exactly one such writer per launch, so eviction reads never race a write.
+3. Quantize: clip each row at the ``clip`` quantile of ``|y|`` (``tl.sort``), ``scale = (max - min) / 3``
+   and ``min`` per group rounded to the metadata dtype, ``code = floor((y - min) / scale + 0.5)``,
+   four codes a byte, quartered (``tl.reshape`` to ``[BLOCK_T, 4, d/4]``, shift, sum).
+
+Writes into a page the block table does not own (``-1``) are dropped: allocate rows on the host first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_store
+
+
+@triton.jit
+def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
+                    sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
+                    clip_lo, clip_frac,
+                    PS: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
+                    NG: tl.constexpr, HAS_CLIP: tl.constexpr):
+    """Quantize rows ``y [BLOCK_T, D]`` (fp32) where ``keep``; row r goes to quantized index ``qidx[r]``."""
+    if HAS_CLIP:
+        srt = tl.sort(tl.abs(y), dim=1)
+        col = tl.arange(0, D)[None, :]
+        lo = tl.sum(tl.where(col == clip_lo, srt, 0.0), axis=1)
+        hi = tl.sum(tl.where(col == tl.minimum(clip_lo + 1, D - 1), srt, 0.0), axis=1)
+        t = (lo + clip_frac * (hi - lo))[:, None]
+        y = tl.minimum(tl.maximum(y, -t), t)
+    GS: tl.constexpr = D // NG
+    yg = tl.reshape(y, (BLOCK_T, NG, GS))
+    mn = tl.min(yg, axis=2)
+    mx = tl.max(yg, axis=2)
+    meta_ty = meta_ptr.dtype.element_ty
+    scale = ((mx - mn) / 3.0).to(meta_ty).to(tl.float32)
+    mn = mn.to(meta_ty).to(tl.float32)
+    inv = tl.where(scale > 0, 1.0 / scale, 0.0)
+    c = tl.floor((yg - mn[:, :, None]) * inv[:, :, None] + 0.5)
+    c = tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.int32)
+    c = tl.reshape(c, (BLOCK_T, 4, D // 4))
+    shifts = (tl.arange(0, 4) * 2)[None, :, None]
+    packed = tl.sum(c << shifts, axis=1).to(tl.uint8)  # bits are disjoint: sum == or
+
+    logical = qidx // PS
+    ok = keep & (qidx >= 0) & (logical < MAX_PAGES)
+    page = tl.load(bt_ptr + b * stride_bt_b + tl.where(ok, logical, 0), mask=ok, other=-1)
+    ok = ok & (page >= 0)
+    page = tl.where(ok, page, 0).to(tl.int64)
+    slot = tl.where(ok, qidx % PS, 0).to(tl.int64)
+    d4 = tl.arange(0, D // 4)[None, :]
+    tl.store(codes_ptr + page[:, None] * sc_p + slot[:, None] * sc_s + h * sc_h + d4, packed, mask=ok[:, None])
+    g = tl.arange(0, NG)[None, :]
+    mbase = meta_ptr + page[:, None] * sm_p + slot[:, None] * sm_s + h * sm_h
+    tl.store(mbase + g, scale.to(meta_ty), mask=ok[:, None])
+    tl.store(mbase + NG + g, mn.to(meta_ty), mask=ok[:, None])
+
+
+@triton.jit
+def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
+                codes_ptr, meta_ptr, sink_ptr, ring_ptr, bt_ptr,
+                b, h, t, p, inb, valid, first, last, stride_bt_b,
+                sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
+                so_b, so_t, so_h, clip_lo, clip_frac,
+                S: tl.constexpr, W: tl.constexpr, PS: tl.constexpr, MAX_PAGES: tl.constexpr,
+                BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, HAS_CLIP: tl.constexpr):
+    col = tl.arange(0, D)
+    x = tl.load(x_ptr + b * sx_b + h * sx_h + t[:, None] * sx_t + col[None, :], mask=inb[:, None], other=0.0)
+    x = x.to(tl.float32) - tl.load(mu_ptr + h * D + col)[None, :]
+    a = tl.load(a_ptr + h * D * D + col[:, None] * D + col[None, :])
+    y = tl.dot(x, a, input_precision="ieee")
+    cache_ty = sink_ptr.dtype.element_ty
+    yc = y.to(cache_ty)
+    y = yc.to(tl.float32)  # every region holds (and quantizes) the cache-dtype rounded row
+    tl.store(out_ptr + b * so_b + t[:, None] * so_t + h * so_h + col[None, :], yc, mask=inb[:, None])
+
+    length = last + 1
+    in_sink = valid & (p < S)
+    tl.store(sink_ptr + b * ss_b + tl.where(in_sink, p, 0)[:, None] * ss_t + h * ss_h + col[None, :], yc,
+             mask=in_sink[:, None])
+    if W > 0:
+        ring_final = valid & (p >= S) & (p >= length - W)
+        slot = tl.where(ring_final, p % W, 0)
+        # the slot's old occupant: the largest position congruent to p below this call's first position
+        q = p - W * ((p - first) // W + 1)
+        evict = ring_final & (q >= S)
+        ring_row = ring_ptr + b * sr_b + slot[:, None] * sr_t + h * sr_h + col[None, :]
+        old = tl.load(ring_row, mask=evict[:, None], other=0.0).to(tl.float32)
+        _quantize_store(old, evict, q - S, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
+                        sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac,
+                        PS, MAX_PAGES, BLOCK_T, D, NG, HAS_CLIP)
+        tl.debug_barrier()
+        tl.store(ring_row, yc, mask=ring_final[:, None])
+        to_page = valid & (p >= S) & ~ring_final
+    else:
+        to_page = valid & (p >= S)
+    _quantize_store(y, to_page, p - S, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
+                    sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac,
+                    PS, MAX_PAGES, BLOCK_T, D, NG, HAS_CLIP)
+
+
+@triton.jit
+def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                  pos_ptr, sp_b, first_ptr, last_ptr, T,
+                  ak_ptr, muk_ptr, av_ptr, muv_ptr, kout_ptr, vout_ptr,
+                  kc_ptr, km_ptr, vc_ptr, vm_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, bt_ptr, stride_bt_b,
+                  sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h,
+                  kclip_lo, kclip_frac, vclip_lo, vclip_frac,
+                  S: tl.constexpr, W: tl.constexpr, PS: tl.constexpr, MAX_PAGES: tl.constexpr,
+                  BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
+                  K_CLIP: tl.constexpr, V_CLIP: tl.constexpr):
+    b = tl.program_id(0)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(2)
+    inb = t < T
+    p = tl.load(pos_ptr + b * sp_b + tl.where(inb, t, 0), mask=inb, other=-1).to(tl.int64)
+    valid = inb & (p >= 0)
+    first = tl.load(first_ptr + b).to(tl.int64)
+    last = tl.load(last_ptr + b).to(tl.int64)
+    _store_side(k_ptr, sk_b, sk_h, sk_t, ak_ptr, muk_ptr, kout_ptr, kc_ptr, km_ptr, ks_ptr, kr_ptr, bt_ptr,
+                b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
+                ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, kclip_lo, kclip_frac,
+                S, W, PS, MAX_PAGES, BLOCK_T, D, NG, K_CLIP)
+    _store_side(v_ptr, sv_b, sv_h, sv_t, av_ptr, muv_ptr, vout_ptr, vc_ptr, vm_ptr, vs_ptr, vr_ptr, bt_ptr,
+                b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
+                ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, vclip_lo, vclip_frac,
+                S, W, PS, MAX_PAGES, BLOCK_T, D, NG, V_CLIP)
+
+
+def _clip_args(ratio: float, d: int) -> tuple[int, float, bool]:
+    if ratio >= 1.0:
+        return 0, 0.0, False
+    pos = ratio * (d - 1)
+    lo = int(math.floor(pos))
+    return lo, pos - lo, True
+
+
+def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
+                 key_transform, key_mean, value_transform, value_mean, key_clip, value_clip):
+    """Triton ``oscar::store`` (same arguments and results as :func:`store_reference`)."""
+    cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
+    geo = check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip)
+    b, h, t, d = k.shape
+    if (v_codes.stride() != k_codes.stride() or v_meta.stride() != k_meta.stride() or v_sink.stride() != k_sink.stride()
+            or v_ring.stride() != k_ring.stride()):
+        raise ValueError("oscar: the Triton store needs key and value cache tensors with the same strides")
+    pos = positions.expand(b, t) if positions.dim() == 1 else positions
+    first = torch.where(pos >= 0, pos, torch.iinfo(pos.dtype).max).amin(dim=-1)
+    last = pos.amax(dim=-1)
+    k_out = torch.empty(b, t, h, d, dtype=k_sink.dtype, device=k.device)
+    v_out = torch.empty_like(k_out)
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    kl, kf, kc = _clip_args(key_clip, d)
+    vl, vf, vc = _clip_args(value_clip, d)
+    block_t = 16
+    f32 = lambda x: x.float().contiguous()  # noqa: E731
+    bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    grid = (b, triton.cdiv(t, block_t), h)
+    _store_kernel[grid](
+        k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        pos, pos.stride(0), first, last, t,
+        f32(key_transform), f32(key_mean), f32(value_transform), f32(value_mean), k_out, v_out,
+        k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, bt, bt.stride(0),
+        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_meta.stride(0), k_meta.stride(1), k_meta.stride(2),
+        k_sink.stride(0), k_sink.stride(1), k_sink.stride(2), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
+        k_out.stride(0), k_out.stride(1), k_out.stride(2), kl, kf, vl, vf,
+        S=geo.num_sinks, W=geo.window, PS=geo.page_size, MAX_PAGES=geo.max_pages, BLOCK_T=block_t, D=d,
+        NG=geo.num_groups, K_CLIP=kc, V_CLIP=vc,
+    )
+    return k_out, v_out
