@@ -35,6 +35,20 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _quarter_matmul(x0, x1, x2, x3, m_ptr, i: tl.constexpr, D: tl.constexpr, D4: tl.constexpr):
+    """Quarter ``i`` of the columns of ``[x0 x1 x2 x3] @ M`` (``M [D, D]`` fp32, row-major), in fp32.
+
+    Blocked ``D/4 x D/4`` so no operand tile grows with ``D^2`` (head_dim 256 stays in registers).
+    """
+    r = tl.arange(0, D4)[:, None] * D + i * D4 + tl.arange(0, D4)[None, :]
+    acc = tl.dot(x0, tl.load(m_ptr + r), input_precision="ieee")
+    acc = tl.dot(x1, tl.load(m_ptr + D4 * D + r), acc, input_precision="ieee")
+    acc = tl.dot(x2, tl.load(m_ptr + 2 * D4 * D + r), acc, input_precision="ieee")
+    acc = tl.dot(x3, tl.load(m_ptr + 3 * D4 * D + r), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _scores_bf16(qq0, qq1, qq2, qq3, base, d4, rows_ok, D4: tl.constexpr, DT: tl.constexpr):
     """``q' . k`` for a tile of BF16 keys whose row addresses are ``base [N]``."""
     k0 = tl.load(base[:, None] + d4[None, :], mask=rows_ok[:, None], other=0.0).to(DT)
@@ -77,8 +91,8 @@ def _attn_kernel(
     bq_ptr, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
     part_m_ptr, part_l_ptr, part_o_ptr,
     T, M_TOTAL, qk_scale, keys_per_split,
-    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
-    S: tl.constexpr, W: tl.constexpr, PS: tl.constexpr, MAX_PAGES: tl.constexpr, NSPLIT: tl.constexpr,
+    S, W, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
+    PS: tl.constexpr, NSPLIT: tl.constexpr, HAS_RING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_CHUNK: tl.constexpr, DT: tl.constexpr,
 ):
@@ -104,15 +118,17 @@ def _attn_kernel(
     page_end = tl.maximum(tl.minimum(length - W, c0), S)  # INT2 keys: [S, page_end)
 
     # q' = q @ B_q, one quarter of the output channels at a time, scaled for exp2.
-    dcol = tl.arange(0, D)
     d4 = tl.arange(0, D4)
-    qrow = q_ptr + b * sq_b + row_hq[:, None] * sq_h + row_t[:, None] * sq_t + dcol[None, :]
-    qv = tl.load(qrow, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    bq = bq_ptr + h * D * D + dcol[:, None] * D
-    qq0 = tl.dot(qv, tl.load(bq + d4[None, :]), input_precision="ieee") * qk_scale
-    qq1 = tl.dot(qv, tl.load(bq + D4 + d4[None, :]), input_precision="ieee") * qk_scale
-    qq2 = tl.dot(qv, tl.load(bq + 2 * D4 + d4[None, :]), input_precision="ieee") * qk_scale
-    qq3 = tl.dot(qv, tl.load(bq + 3 * D4 + d4[None, :]), input_precision="ieee") * qk_scale
+    qrow = q_ptr + b * sq_b + row_hq[:, None] * sq_h + row_t[:, None] * sq_t + d4[None, :]
+    qv0 = tl.load(qrow, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    qv1 = tl.load(qrow + D4, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    qv2 = tl.load(qrow + 2 * D4, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    qv3 = tl.load(qrow + 3 * D4, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    bq = bq_ptr + h * D * D
+    qq0 = _quarter_matmul(qv0, qv1, qv2, qv3, bq, 0, D, D4) * qk_scale
+    qq1 = _quarter_matmul(qv0, qv1, qv2, qv3, bq, 1, D, D4) * qk_scale
+    qq2 = _quarter_matmul(qv0, qv1, qv2, qv3, bq, 2, D, D4) * qk_scale
+    qq3 = _quarter_matmul(qv0, qv1, qv2, qv3, bq, 3, D, D4) * qk_scale
     qsum = tl.sum(qq0, 1) + tl.sum(qq1, 1) + tl.sum(qq2, 1) + tl.sum(qq3, 1)
     qq0 = qq0.to(DT)
     qq1 = qq1.to(DT)
@@ -207,8 +223,8 @@ def _attn_kernel(
             in_sink = key_ok & (j < S)
             in_chunk = key_ok & ~in_sink & (j >= c0) & (j < c_end)
             in_ring = key_ok & ~in_sink & ~in_chunk
-            if W > 0:
-                ring_slot = tl.where(in_ring, j % W, 0)
+            if HAS_RING:
+                ring_slot = tl.where(in_ring, j % tl.maximum(W, 1), 0)
             else:
                 ring_slot = j * 0
             row_s = b * ss_b + tl.where(in_sink, j, 0) * ss_t + h * ss_h
@@ -261,25 +277,38 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, 
     m = tl.load(part_m_ptr + rbase[:, None] + sp[None, :], mask=row_ok[:, None] & (sp[None, :] < NS), other=float("-inf"))
     m_max = tl.max(m, 1)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    dcol = tl.arange(0, D)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    D4: tl.constexpr = D // 4
+    d4 = tl.arange(0, D4)
+    a0 = tl.zeros([BLOCK_M, D4], tl.float32)
+    a1 = tl.zeros([BLOCK_M, D4], tl.float32)
+    a2 = tl.zeros([BLOCK_M, D4], tl.float32)
+    a3 = tl.zeros([BLOCK_M, D4], tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     for s_i in range(NS):
         m_s = tl.load(part_m_ptr + rbase + s_i, mask=row_ok, other=float("-inf"))
         w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_safe))
         denom += w * tl.load(part_l_ptr + rbase + s_i, mask=row_ok, other=0.0)
-        o = tl.load(part_o_ptr + (rbase + s_i)[:, None] * D + dcol[None, :], mask=row_ok[:, None], other=0.0)
-        acc += o * w[:, None]
+        o = part_o_ptr + (rbase + s_i)[:, None] * D + d4[None, :]
+        a0 += tl.load(o, mask=row_ok[:, None], other=0.0) * w[:, None]
+        a1 += tl.load(o + D4, mask=row_ok[:, None], other=0.0) * w[:, None]
+        a2 += tl.load(o + 2 * D4, mask=row_ok[:, None], other=0.0) * w[:, None]
+        a3 += tl.load(o + 3 * D4, mask=row_ok[:, None], other=0.0) * w[:, None]
     row_t = r // G
     pos = tl.load(pos_ptr + b * sp_b + tl.where(row_ok, row_t, 0), mask=row_ok, other=-1)
     has = (denom > 0) & (pos >= 0)
-    acc = acc / tl.where(has, denom, 1.0)[:, None]
-    bo = tl.load(bo_ptr + h * D * D + dcol[:, None] * D + dcol[None, :])
-    out = tl.dot(acc, bo, input_precision="ieee") + tl.load(muv_ptr + h * D + dcol)[None, :]
-    out = tl.where(has[:, None], out, 0.0)
+    inv = (1.0 / tl.where(has, denom, 1.0))[:, None]
+    a0 *= inv
+    a1 *= inv
+    a2 *= inv
+    a3 *= inv
+    bo = bo_ptr + h * D * D
     row_hq = h * G + r % G
-    optr = out_ptr + b * so_b + row_hq[:, None] * so_h + row_t[:, None] * so_t + dcol[None, :]
-    tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    optr = out_ptr + b * so_b + row_hq[:, None] * so_h + row_t[:, None] * so_t + d4[None, :]
+    ty = out_ptr.dtype.element_ty
+    for i in tl.static_range(4):
+        out = _quarter_matmul(a0, a1, a2, a3, bo, i, D, D4) + tl.load(muv_ptr + h * D + i * D4 + d4)[None, :]
+        out = tl.where(has[:, None], out, 0.0)
+        tl.store(optr + i * D4, out.to(ty), mask=row_ok[:, None])
 
 
 @functools.lru_cache(maxsize=8)
@@ -358,9 +387,8 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_meta.stride(0), k_meta.stride(1), k_meta.stride(2),
         k_sink.stride(0), k_sink.stride(1), k_sink.stride(2), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
         f32(query_transform), mask, smk[0], smk[1], smk[2], smk[3], mask_len,
-        part_m, part_l, part_o, t, m_total, scale * LOG2E, keys_per_split,
-        H=h, G=g, D=d, NG=geo.num_groups, S=geo.num_sinks, W=geo.window, PS=geo.page_size, MAX_PAGES=geo.max_pages,
-        NSPLIT=nsplit, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind,
+        part_m, part_l, part_o, t, m_total, scale * LOG2E, keys_per_split, geo.num_sinks, geo.window,
+        H=h, G=g, D=d, NG=geo.num_groups, PS=geo.page_size, NSPLIT=nsplit, HAS_RING=geo.window > 0, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind,
         HAS_CHUNK=has_chunk, DT=dt, num_warps=num_warps, num_stages=num_stages,
     )
     merge_m = 16

@@ -32,8 +32,8 @@ from .checks import check_store
 @triton.jit
 def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
                     sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
-                    clip_lo, clip_frac,
-                    PS: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
+                    clip_lo, clip_frac, MAX_PAGES,
+                    PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
                     NG: tl.constexpr, HAS_CLIP: tl.constexpr):
     """Quantize rows ``y [BLOCK_T, D]`` (fp32) where ``keep``; row r goes to quantized index ``qidx[r]``."""
     if HAS_CLIP:
@@ -76,14 +76,19 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
                 codes_ptr, meta_ptr, sink_ptr, ring_ptr, bt_ptr,
                 b, h, t, p, inb, valid, first, last, stride_bt_b,
                 sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
-                so_b, so_t, so_h, clip_lo, clip_frac,
-                S: tl.constexpr, W: tl.constexpr, PS: tl.constexpr, MAX_PAGES: tl.constexpr,
-                BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, HAS_CLIP: tl.constexpr):
+                so_b, so_t, so_h, clip_lo, clip_frac, S, W, MAX_PAGES,
+                PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, HAS_CLIP: tl.constexpr,
+                HAS_RING: tl.constexpr):
     col = tl.arange(0, D)
-    x = tl.load(x_ptr + b * sx_b + h * sx_h + t[:, None] * sx_t + col[None, :], mask=inb[:, None], other=0.0)
-    x = x.to(tl.float32) - tl.load(mu_ptr + h * D + col)[None, :]
-    a = tl.load(a_ptr + h * D * D + col[:, None] * D + col[None, :])
-    y = tl.dot(x, a, input_precision="ieee")
+    D4: tl.constexpr = D // 4
+    c4 = tl.arange(0, D4)
+    # y = (x - mu) @ A, blocked over the input channels so no D x D tile sits in registers
+    y = tl.zeros([BLOCK_T, D], tl.float32)
+    for kq in tl.static_range(4):
+        xk = tl.load(x_ptr + b * sx_b + h * sx_h + t[:, None] * sx_t + kq * D4 + c4[None, :], mask=inb[:, None], other=0.0)
+        xk = xk.to(tl.float32) - tl.load(mu_ptr + h * D + kq * D4 + c4)[None, :]
+        ak = tl.load(a_ptr + h * D * D + (kq * D4 + c4)[:, None] * D + col[None, :])
+        y = tl.dot(xk, ak, y, input_precision="ieee")
     cache_ty = sink_ptr.dtype.element_ty
     yc = y.to(cache_ty)
     y = yc.to(tl.float32)  # every region holds (and quantizes) the cache-dtype rounded row
@@ -93,25 +98,26 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
     in_sink = valid & (p < S)
     tl.store(sink_ptr + b * ss_b + tl.where(in_sink, p, 0)[:, None] * ss_t + h * ss_h + col[None, :], yc,
              mask=in_sink[:, None])
-    if W > 0:
+    if HAS_RING:
+        w1 = tl.maximum(W, 1)
         ring_final = valid & (p >= S) & (p >= length - W)
-        slot = tl.where(ring_final, p % W, 0)
+        slot = tl.where(ring_final, p % w1, 0)
         # the slot's old occupant: the largest position congruent to p below this call's first position
-        q = p - W * ((p - first) // W + 1)
+        q = p - W * ((p - first) // w1 + 1)
         evict = ring_final & (q >= S)
         ring_row = ring_ptr + b * sr_b + slot[:, None] * sr_t + h * sr_h + col[None, :]
         old = tl.load(ring_row, mask=evict[:, None], other=0.0).to(tl.float32)
         _quantize_store(old, evict, q - S, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
-                        sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac,
-                        PS, MAX_PAGES, BLOCK_T, D, NG, HAS_CLIP)
+                        sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, MAX_PAGES,
+                        PS, BLOCK_T, D, NG, HAS_CLIP)
         tl.debug_barrier()
         tl.store(ring_row, yc, mask=ring_final[:, None])
         to_page = valid & (p >= S) & ~ring_final
     else:
         to_page = valid & (p >= S)
     _quantize_store(y, to_page, p - S, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
-                    sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac,
-                    PS, MAX_PAGES, BLOCK_T, D, NG, HAS_CLIP)
+                    sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, MAX_PAGES,
+                    PS, BLOCK_T, D, NG, HAS_CLIP)
 
 
 @triton.jit
@@ -120,10 +126,9 @@ def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                   ak_ptr, muk_ptr, av_ptr, muv_ptr, kout_ptr, vout_ptr,
                   kc_ptr, km_ptr, vc_ptr, vm_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, bt_ptr, stride_bt_b,
                   sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h,
-                  kclip_lo, kclip_frac, vclip_lo, vclip_frac,
-                  S: tl.constexpr, W: tl.constexpr, PS: tl.constexpr, MAX_PAGES: tl.constexpr,
-                  BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
-                  K_CLIP: tl.constexpr, V_CLIP: tl.constexpr):
+                  kclip_lo, kclip_frac, vclip_lo, vclip_frac, S, W, MAX_PAGES,
+                  PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
+                  K_CLIP: tl.constexpr, V_CLIP: tl.constexpr, HAS_RING: tl.constexpr):
     b = tl.program_id(0)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(2)
@@ -134,12 +139,12 @@ def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
     last = tl.load(last_ptr + b).to(tl.int64)
     _store_side(k_ptr, sk_b, sk_h, sk_t, ak_ptr, muk_ptr, kout_ptr, kc_ptr, km_ptr, ks_ptr, kr_ptr, bt_ptr,
                 b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
-                ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, kclip_lo, kclip_frac,
-                S, W, PS, MAX_PAGES, BLOCK_T, D, NG, K_CLIP)
+                ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, kclip_lo, kclip_frac, S, W, MAX_PAGES,
+                PS, BLOCK_T, D, NG, K_CLIP, HAS_RING)
     _store_side(v_ptr, sv_b, sv_h, sv_t, av_ptr, muv_ptr, vout_ptr, vc_ptr, vm_ptr, vs_ptr, vr_ptr, bt_ptr,
                 b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
-                ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, vclip_lo, vclip_frac,
-                S, W, PS, MAX_PAGES, BLOCK_T, D, NG, V_CLIP)
+                ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, vclip_lo, vclip_frac, S, W, MAX_PAGES,
+                PS, BLOCK_T, D, NG, V_CLIP, HAS_RING)
 
 
 def _clip_args(ratio: float, d: int) -> tuple[int, float, bool]:
@@ -172,6 +177,7 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
     vl, vf, vc = _clip_args(value_clip, d)
     block_t = 16
     f32 = lambda x: x.float().contiguous()  # noqa: E731
+    warps = 8 if d >= 256 else 4
     bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     grid = (b, triton.cdiv(t, block_t), h)
     _store_kernel[grid](
@@ -181,8 +187,8 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
         k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, bt, bt.stride(0),
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_meta.stride(0), k_meta.stride(1), k_meta.stride(2),
         k_sink.stride(0), k_sink.stride(1), k_sink.stride(2), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
-        k_out.stride(0), k_out.stride(1), k_out.stride(2), kl, kf, vl, vf,
-        S=geo.num_sinks, W=geo.window, PS=geo.page_size, MAX_PAGES=geo.max_pages, BLOCK_T=block_t, D=d,
-        NG=geo.num_groups, K_CLIP=kc, V_CLIP=vc,
+        k_out.stride(0), k_out.stride(1), k_out.stride(2), kl, kf, vl, vf, geo.num_sinks, geo.window, geo.max_pages,
+        PS=geo.page_size, BLOCK_T=block_t, D=d, NG=geo.num_groups, K_CLIP=kc, V_CLIP=vc, HAS_RING=geo.window > 0,
+        num_warps=warps,
     )
     return k_out, v_out

@@ -1,0 +1,187 @@
+"""Decode attention on the GPU: INT2 paged attention (Triton) vs BF16 scaled_dot_product_attention.
+
+Llama-3-8B-shaped heads (32 query heads, 8 KV heads, head_dim 128), one query token per sequence,
+batch x context in DESIGN.md section 6. For each shape, both methods run in the same process on
+fresh random data; time is ``triton.testing.do_bench``'s median (L2 flushed before every call),
+bytes are what each must read (KV, metadata, BF16 sinks/ring, query, output written), achieved TB/s
+is bytes / time, and the roofline is bytes / 4.27 TB/s (the H200's measured copy bandwidth).
+Also: a sweep of kernel configurations per shape, and the store kernel's time per decode step.
+
+    python benchmarks/bench_decode.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+COPY_TBPS = 4.27
+SHAPES = [(1, 4096), (1, 32768), (1, 131072), (32, 8192), (64, 4096), (32, 32768)]
+HQ, HKV, D = 32, 8, 128
+
+
+def _bench(fn, warmup=25, rep=100) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3  # us
+
+
+def int2_cache(b, length, device, sinks=64, window=256, page=16):
+    from oscar_compile import LayerTransforms, PagedInt2KVCache
+    from oscar_compile.testing import random_orthogonal
+
+    cache = PagedInt2KVCache(1, HKV, D, max_batch_size=b, max_seq_len=length, num_sinks=sinks, window=window,
+                             page_size=page, identity_block_table=True, dtype=torch.bfloat16, device=device)
+    layer = cache.layers[0]
+    g = torch.Generator(device=device).manual_seed(0)
+    for codes in (layer.k_codes, layer.v_codes):
+        codes.copy_(torch.randint(0, 256, codes.shape, device=device, generator=g, dtype=torch.int32).to(torch.uint8))
+    for meta in (layer.k_meta, layer.v_meta):
+        meta[..., 0].uniform_(0.01, 0.2, generator=g)
+        meta[..., 1].normal_(0, 0.3, generator=g)
+    for t in (layer.k_sink, layer.v_sink, layer.k_ring, layer.v_ring):
+        t.normal_(generator=g)
+    rot = random_orthogonal(HKV, D, torch.Generator().manual_seed(0))
+    cache.set_transforms(0, LayerTransforms.from_matrices(rot, rot))
+    return cache
+
+
+def int2_bytes(b, length, sinks=64, window=256):
+    quantized = max(0, length - sinks - window)
+    kv = 2 * b * HKV * (quantized * (D // 4 + 4) + min(length, sinks + window) * D * 2)
+    return kv + 2 * b * HQ * D * 2  # + query read + output written
+
+
+def bf16_bytes(b, length):
+    return 2 * b * HKV * length * D * 2 + 2 * b * HQ * D * 2
+
+
+def bench_shape(b, length, device, sweep: bool):
+    from oscar_compile.kernels.triton_attention import attention_triton
+
+    q = torch.randn(b, HQ, 1, D, device=device, dtype=torch.bfloat16)
+    k = torch.randn(b, HKV, length, D, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        t_sdpa = _bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    del k, v
+    cache = int2_cache(b, length, device)
+    tr = cache.transforms[0]
+    pos = torch.full((b, 1), length - 1, device=device, dtype=torch.long)
+    lens = torch.full((b,), length, device=device, dtype=torch.long)
+    args = (q, pos, lens, *cache.layers[0].tensors(), cache.block_table, tr.query_transform, tr.output_transform,
+            tr.value_mean, None, False, D**-0.5)
+    configs = [{}]
+    if sweep:
+        configs += [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
+        configs += [dict(splits=s) for s in (1, 2, 4, 8, 16, 32, 64, 128)]
+    timings = []
+    for cfg in configs:
+        try:
+            attention_triton(*args, **cfg)
+            timings.append((cfg, _bench(lambda: attention_triton(*args, **cfg))))
+        except Exception as e:  # a config the compiler rejects is reported, not fatal
+            timings.append((cfg, float("nan")))
+            print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+    t_int2 = timings[0][1]
+    best_cfg, t_best = min((x for x in timings if not math.isnan(x[1])), key=lambda x: x[1])
+    nb_int2, nb_bf16 = int2_bytes(b, length), bf16_bytes(b, length)
+    return {
+        "batch": b, "context": length, "bf16_sdpa_us": t_sdpa, "int2_us": t_int2, "int2_best_us": t_best,
+        "int2_best_config": best_cfg, "bf16_bytes": nb_bf16, "int2_bytes": nb_int2,
+        "bf16_tbps": nb_bf16 / t_sdpa / 1e6, "int2_tbps": nb_int2 / t_int2 / 1e6,
+        "int2_roofline_fraction": (nb_int2 / (COPY_TBPS * 1e12)) / (t_int2 * 1e-6),
+        "bf16_roofline_fraction": (nb_bf16 / (COPY_TBPS * 1e12)) / (t_sdpa * 1e-6),
+        "speedup": t_sdpa / t_int2, "byte_ratio": nb_bf16 / nb_int2,
+        "sweep": [{"config": c, "us": t} for c, t in timings] if sweep else None,
+    }
+
+
+def bench_store(device):
+    from oscar_compile.kernels.triton_store import store_triton
+
+    rows = []
+    for b in (1, 32, 64):
+        cache = int2_cache(b, 4096, device)
+        tr = cache.transforms[0]
+        k = torch.randn(b, HKV, 1, D, device=device, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        pos = torch.full((b, 1), 4000, device=device, dtype=torch.long)
+        args = (k, v, pos, *cache.layers[0].tensors(), cache.block_table, tr.key_transform, tr.key_mean,
+                tr.value_transform, tr.value_mean, 0.96, 0.92)
+        store_triton(*args)
+        rows.append({"batch": b, "store_us": _bench(lambda: store_triton(*args))})
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['batch']}x{r['context'] // 1024}K" for r in rows]
+    x = range(len(rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax1.bar([i - 0.2 for i in x], [r["bf16_sdpa_us"] for r in rows], 0.4, label="BF16 SDPA (flash)")
+    ax1.bar([i + 0.2 for i in x], [r["int2_us"] for r in rows], 0.4, label="oscar INT2")
+    ax1.set_yscale("log")
+    ax1.set_ylabel("decode attention time (us, log)")
+    ax1.set_xticks(list(x), labels)
+    for i, r in enumerate(rows):
+        ax1.text(i + 0.2, r["int2_us"], f"{r['speedup']:.1f}x", ha="center", va="bottom", fontsize=8)
+    ax1.legend()
+    ax2.bar([i - 0.2 for i in x], [r["bf16_tbps"] for r in rows], 0.4, label="BF16 SDPA")
+    ax2.bar([i + 0.2 for i in x], [r["int2_tbps"] for r in rows], 0.4, label="oscar INT2")
+    ax2.axhline(COPY_TBPS, color="k", ls="--", lw=1, label="copy roofline 4.27 TB/s")
+    ax2.set_ylabel("achieved TB/s (bytes each must read)")
+    ax2.set_xticks(list(x), labels)
+    ax2.legend()
+    fig.suptitle("Decode attention on H200: 32 q heads, 8 KV heads, d=128 (batch x context)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--shapes", default=None, help="e.g. 1x4096,32x32768")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    rows = []
+    t0 = time.time()
+    for b, length in shapes:
+        r = bench_shape(b, length, device, args.sweep)
+        rows.append(r)
+        print(f"{b:>3} x {length:>6}: BF16 SDPA {r['bf16_sdpa_us']:8.1f} us ({r['bf16_tbps']:.2f} TB/s) | INT2 "
+              f"{r['int2_us']:8.1f} us ({r['int2_tbps']:.2f} TB/s, {100 * r['int2_roofline_fraction']:.0f}% of roofline) "
+              f"| speedup {r['speedup']:.2f}x (bytes {r['byte_ratio']:.2f}x) | best {r['int2_best_us']:.1f} us "
+              f"{r['int2_best_config']}", flush=True)
+        torch.cuda.empty_cache()
+    store = bench_store(device)
+    for s in store:
+        print(f"store kernel, batch {s['batch']:>3}, one decode token per layer: {s['store_us']:.1f} us")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tbps": COPY_TBPS,
+            "heads": [HQ, HKV, D], "timing": "triton.testing.do_bench median, L2 flushed", "seconds": time.time() - t0}
+    import triton
+
+    meta["triton"] = triton.__version__
+    (out / "decode_attention_h200.json").write_text(json.dumps({"meta": meta, "rows": rows, "store": store}, indent=2))
+    plot(rows, out / "decode_attention_h200.png")
+    print(f"wrote {out / 'decode_attention_h200.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""End to end on the GPU: generate() with the oscar backend (Inductor + the Triton kernels) vs BF16.
+
+Random-weight models with the shapes of SmolLM2-135M and Llama-3-8B (real weights do not fit the
+transfer to the GPU machine), in bf16. For each: BF16 StaticCache + torch.compile (Inductor), and
+OscarCache + oscar backend (INT2), optionally with quantization off (same path, BF16 storage) as a
+check that the rewrite computes what the model computes: greedy tokens must then agree.
+Reports tokens/s of the decode phase and peak GPU memory.
+
+    python benchmarks/e2e_gpu.py --models smollm2 --batch 8 --prompt 512 --new 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+SHAPES = {
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192),
+}
+
+
+def make(name, layers=None):
+    cfg = transformers.LlamaConfig(**SHAPES[name], bos_token_id=1, eos_token_id=2)
+    if layers:
+        cfg.num_hidden_layers = layers
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.eval().generation_config.disable_compile = True  # we compile ourselves
+    model.generation_config.eos_token_id = None  # random weights: never stop early
+    return model
+
+
+def uncompile(model):
+    model._compiled_call_impl = None
+    torch._dynamo.reset()
+
+
+@torch.no_grad()
+def timed_generate(model, ids, cache, new):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False, min_new_tokens=1)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    cache.reset()
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False, min_new_tokens=new)
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    decode_s = (t2 - t1) - (t1 - t0)  # minus one prefill (+ first token)
+    return out[:, ids.shape[1]:], ids.shape[0] * (new - 1) / max(decode_s, 1e-9)
+
+
+def run_model(name, batch, prompt, new, mode, layers, check):
+    import oscar_compile
+
+    model = make(name, layers)
+    ids = torch.randint(3, 1000, (batch, prompt), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    weights = torch.cuda.memory_allocated()
+    rows = []
+    configs = [("bf16 StaticCache + inductor", None)]
+    if check:
+        configs.append(("oscar, quantize off", {"quantize": False}))
+    configs.append(("oscar INT2", {}))
+    ref_tokens = None
+    for label, opts in configs:
+        uncompile(model)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        if opts is None:
+            model.compile(mode=mode)
+            cache = transformers.StaticCache(config=model.config, max_cache_len=prompt + new + 1)
+            # warm both graphs (prefill and decode) once
+            timed_generate(model, ids, cache, 3)
+        else:
+            oscar_compile.compile(model, mode=mode, **opts)
+            cache = oscar_compile.OscarCache(model, max_cache_len=prompt + new + 1, max_batch_size=batch)
+            timed_generate(model, ids, cache, 3)
+        compile_s = time.perf_counter() - t0
+        cache.reset()
+        tokens, tps = timed_generate(model, ids, cache, new)
+        peak = torch.cuda.max_memory_allocated()
+        row = {"model": name, "layers": model.config.num_hidden_layers, "config": label, "batch": batch,
+               "prompt": prompt, "new_tokens": new, "mode": mode, "decode_tokens_per_s": tps,
+               "peak_gb": peak / 1e9, "peak_above_weights_gb": (peak - weights) / 1e9, "warmup_s": compile_s}
+        if opts is not None:
+            row["layers_rewritten"] = [len(g.rewritten) for g in model.oscar_backend.graphs]
+            row["int2_storage_gb"] = model.oscar_backend.kv_bytes / 1e9
+        if ref_tokens is None:
+            ref_tokens = tokens
+        else:
+            row["tokens_equal_to_bf16"] = float((tokens == ref_tokens).float().mean())
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="smollm2,llama3-8b")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--mode", default="reduce-overhead")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "e2e_h200.json"))
+    args = ap.parse_args()
+    rows = []
+    for name in args.models.split(","):
+        rows += run_model(name, args.batch, args.prompt, args.new, args.mode, args.layers, not args.no_check)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                          "transformers": transformers.__version__, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
