@@ -81,8 +81,9 @@ def bench_shape(b, length, device, sweep: bool):
             tr.value_mean, None, False, D**-0.5)
     configs = [{}]
     if sweep:
-        configs += [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
-        configs += [dict(splits=s) for s in (1, 2, 4, 8, 16, 32, 64, 128)]
+        configs += [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+        configs += [dict(splits=s) for s in (2, 4, 8, 16, 32, 64, 128)]
+        configs += [dict(ablate=a) for a in (1, 2, 4)]  # drop values / key dot / all but loads
     timings = []
     for cfg in configs:
         try:
@@ -92,7 +93,13 @@ def bench_shape(b, length, device, sweep: bool):
             timings.append((cfg, float("nan")))
             print(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
     t_int2 = timings[0][1]
-    best_cfg, t_best = min((x for x in timings if not math.isnan(x[1])), key=lambda x: x[1])
+    best_cfg, t_best = min((x for x in timings if not math.isnan(x[1]) and "ablate" not in x[0]), key=lambda x: x[1])
+    from oscar_compile.kernels import triton_attention
+
+    attention_triton(*args)
+    kstats = {name: {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
+                     "shared": getattr(getattr(k, "metadata", None), "shared", None)}
+              for name, k in triton_attention.LAST_LAUNCH.items()}
     nb_int2, nb_bf16 = int2_bytes(b, length), bf16_bytes(b, length)
     return {
         "batch": b, "context": length, "bf16_sdpa_us": t_sdpa, "int2_us": t_int2, "int2_best_us": t_best,
@@ -101,7 +108,7 @@ def bench_shape(b, length, device, sweep: bool):
         "int2_roofline_fraction": (nb_int2 / (COPY_TBPS * 1e12)) / (t_int2 * 1e-6),
         "bf16_roofline_fraction": (nb_bf16 / (COPY_TBPS * 1e12)) / (t_sdpa * 1e-6),
         "speedup": t_sdpa / t_int2, "byte_ratio": nb_bf16 / nb_int2,
-        "sweep": [{"config": c, "us": t} for c, t in timings] if sweep else None,
+        "sweep": [{"config": c, "us": t} for c, t in timings] if sweep else None, "kernels": kstats,
     }
 
 
@@ -118,7 +125,11 @@ def bench_store(device):
         args = (k, v, pos, *cache.layers[0].tensors(), cache.block_table, tr.key_transform, tr.key_mean,
                 tr.value_transform, tr.value_mean, 0.96, 0.92)
         store_triton(*args)
-        rows.append({"batch": b, "store_us": _bench(lambda: store_triton(*args))})
+        from oscar_compile.kernels import triton_store
+
+        k = triton_store.LAST_LAUNCH["store"]
+        rows.append({"batch": b, "store_us": _bench(lambda: store_triton(*args)), "n_regs": getattr(k, "n_regs", None),
+                     "n_spills": getattr(k, "n_spills", None)})
     return rows
 
 
@@ -166,11 +177,14 @@ def main():
         print(f"{b:>3} x {length:>6}: BF16 SDPA {r['bf16_sdpa_us']:8.1f} us ({r['bf16_tbps']:.2f} TB/s) | INT2 "
               f"{r['int2_us']:8.1f} us ({r['int2_tbps']:.2f} TB/s, {100 * r['int2_roofline_fraction']:.0f}% of roofline) "
               f"| speedup {r['speedup']:.2f}x (bytes {r['byte_ratio']:.2f}x) | best {r['int2_best_us']:.1f} us "
-              f"{r['int2_best_config']}", flush=True)
+              f"{r['int2_best_config']} | regs/spills {r['kernels']}", flush=True)
+        if r["sweep"]:
+            print("   ", "; ".join(f"{c['config']}: {c['us']:.0f}" for c in r["sweep"]), flush=True)
         torch.cuda.empty_cache()
     store = bench_store(device)
     for s in store:
-        print(f"store kernel, batch {s['batch']:>3}, one decode token per layer: {s['store_us']:.1f} us")
+        print(f"store kernel, batch {s['batch']:>3}, one decode token per layer: {s['store_us']:.1f} us "
+              f"(regs {s['n_regs']}, spills {s['n_spills']})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tbps": COPY_TBPS,

@@ -1,95 +1,302 @@
-"""Teacher-forced decode evaluation through the compiled backend.
+"""Accuracy harness: every method on exactly the same tokens, through the real quantized cache.
 
-A single forward pass over a fresh cache never reads the quantized cache (every token attends to
-its own chunk exactly), which makes every cache format look identical. Here each sequence is
-prefilled with ``context`` tokens, then the next ``decode`` tokens are fed one decode step at a
-time; each step's prediction of the following token is scored. So every scored token attends to
-a history that went through the INT2 cache exactly as in serving.
+Protocol (DESIGN.md section 6). A single forward pass over a fresh cache never reads the quantized
+cache, so every measurement here prefills a context and then feeds tokens one decode step at a
+time; every scored token attends to a history that went through the cache as in serving:
+
+* perplexity: prefill ``context`` tokens of real text, feed the next ``decode`` tokens one step at a
+  time (teacher forcing), score each step's prediction of the following token;
+* retrieval: prefill a haystack of real prose holding a needle (a passkey number or a magic word)
+  at some depth, feed the question one token at a time, then generate the answer greedily.
+
+Methods: ``bf16`` (same code path, quantization off), oscar-backend methods given by artifacts
+(identity / Hadamard / OSCAR / ours), and ``kivi`` (KIVI-2, reference fake-quantization path).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
-from .backend import OscarBackend, oscar_backend
+from .backend import oscar_backend
+from .baselines import KiviCache, kivi_bits_per_element
 from .cache import PagedInt2KVCache
 
 
+# ----------------------------------------------------------------------------- methods and sessions
 @dataclass
-class EvalResult:
+class Method:
+    """One way of caching KV. ``kind``: bf16 | oscar | kivi."""
+
     name: str
-    nll: float  # mean negative log-likelihood per scored token (nats)
-    tokens: int
-    bits_per_element: float
-
-    @property
-    def ppl(self) -> float:
-        return math.exp(self.nll)
+    kind: str = "oscar"
+    artifacts: object = None
+    options: dict = field(default_factory=dict)
 
 
-@torch.no_grad()
-def teacher_forced_nll(model, tokens: torch.Tensor, context: int, backend: OscarBackend, progress=None) -> tuple[float, int]:
-    """Sum of NLL and count over tokens ``context + 1 .. context + decode`` of ``tokens [B, L]``.
-
-    ``L = context + decode + 1``. The model is compiled with ``backend`` and runs on an OscarCache.
-    """
-    from .hf import OscarCache
-    from .testing import cache_kwarg
-
-    b, length = tokens.shape
-    decode = length - context - 1
-    if decode < 1:
-        raise ValueError(f"oscar eval: {length} tokens leave nothing to score after a {context}-token context")
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend)
-    cache = OscarCache(model, max_cache_len=length, max_batch_size=b)
-    kw = {cache_kwarg(model): cache, "use_cache": True}
-    compiled(tokens[:, :context], **kw)
-    nll, count = 0.0, 0
-    steps = range(decode)
-    if progress is not None:
-        steps = progress(steps)
-    for i in steps:
-        p = context + i
-        logits = compiled(tokens[:, p : p + 1], **kw).logits[:, -1].float()
-        nll += torch.nn.functional.cross_entropy(logits, tokens[:, p + 1], reduction="sum").item()
-        count += b
-    torch._dynamo.reset()
-    return nll, count
-
-
-def bits_per_element(model_config, context: int, num_sinks: int, window: int, group_size=None,
-                     cache_dtype=torch.bfloat16, quantize: bool = True) -> float:
-    """Effective bits per K/V element of one sequence of ``context`` tokens, metadata and BF16 tokens included."""
-    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+def _head_dim(cfg) -> tuple[int, int]:
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if not quantize:
-        return float(torch.finfo(cache_dtype).bits)
-    cache = PagedInt2KVCache(1, heads, d, max_seq_len=1, num_sinks=num_sinks, window=window, group_size=group_size,
-                             dtype=cache_dtype, device="meta")
+    return heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def bits_per_element(model_config, method: Method, context: int, num_sinks: int, window: int,
+                     cache_dtype=torch.bfloat16) -> float:
+    """Effective bits per K/V element of one sequence of ``context`` tokens, metadata and BF16 tokens included."""
+    heads, d = _head_dim(model_config)
+    fp_bits = torch.finfo(cache_dtype).bits
+    if method.kind == "bf16":
+        return float(fp_bits)
+    if method.kind == "kivi":
+        return kivi_bits_per_element(context, d, fp_bits=fp_bits, **method.options)
+    cache = PagedInt2KVCache(1, heads, d, max_seq_len=1, num_sinks=num_sinks, window=window,
+                             group_size=method.options.get("group_size"), dtype=cache_dtype, device="meta")
     return cache.memory_report(context).bits_per_element
 
 
-def evaluate_methods(model, tokens: torch.Tensor, context: int, methods: dict, *, num_sinks: int, window: int,
-                     cache_dtype=torch.bfloat16, progress: bool = True) -> list[EvalResult]:
-    """``methods``: name -> artifacts (or ``None`` with backend options in a dict ``{"options": {...}}``)."""
-    results = []
-    for name, spec in methods.items():
-        spec = spec if isinstance(spec, dict) else {"artifacts": spec}
-        options = dict(num_sinks=num_sinks, window=window, cache_dtype=cache_dtype, inductor=False)
-        options.update(spec.get("options", {}))
-        backend = oscar_backend(spec.get("artifacts"), **options)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
+class Session:
+    """A model with one method's cache for ``batch`` sequences: ``prefill(ids)``, then ``step(ids)``."""
 
-            bar = lambda it: tqdm(it, desc=f"{name} (sinks {num_sinks}, window {window})", unit="step", leave=False)  # noqa: E731
-        nll, count = teacher_forced_nll(model, tokens, context, backend, progress=bar)
-        bits = bits_per_element(model.config, tokens.shape[1], num_sinks, window, options.get("group_size"),
-                                cache_dtype, options.get("quantize", True))
-        results.append(EvalResult(name, nll / count, count, bits))
-    return results
+    def __init__(self, model, method: Method, batch: int, max_len: int, num_sinks: int, window: int,
+                 cache_dtype=torch.bfloat16):
+        from .testing import cache_kwarg
+
+        self.model = model
+        self.kw = cache_kwarg(model)
+        if method.kind == "kivi":
+            self.fn = model
+            self.cache = KiviCache(model.config, **method.options)
+        else:
+            options = dict(num_sinks=num_sinks, window=window, cache_dtype=cache_dtype, inductor=False)
+            options.update(method.options)
+            if method.kind == "bf16":
+                options["quantize"] = False
+            from .hf import OscarCache
+
+            self.fn = torch.compile(model, backend=oscar_backend(method.artifacts, **options))
+            self.cache = OscarCache(model, max_cache_len=max_len, max_batch_size=batch)
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fn(ids, **{self.kw: self.cache}, use_cache=True).logits[:, -1].float()
+
+
+# ----------------------------------------------------------------------------- perplexity
+@torch.no_grad()
+def perplexity_nll(session: Session, tokens: torch.Tensor, context: int, progress=None) -> tuple[float, int]:
+    """Sum of NLL and count over tokens ``context + 1 .. L - 1`` of ``tokens [B, L]`` (teacher-forced decode)."""
+    b, length = tokens.shape
+    if length - context - 1 < 1:
+        raise ValueError(f"oscar eval: {length} tokens leave nothing to score after a {context}-token context")
+    session(tokens[:, :context])
+    nll, count = 0.0, 0
+    steps = range(context, length - 1)
+    for p in (progress(steps) if progress else steps):
+        logits = session(tokens[:, p : p + 1])
+        nll += torch.nn.functional.cross_entropy(logits, tokens[:, p + 1], reduction="sum").item()
+        count += b
+    return nll, count
+
+
+# ----------------------------------------------------------------------------- retrieval
+_WORDS = ("elephant", "harbor", "violin", "glacier", "lantern", "orchid", "meteor", "saffron", "compass", "falcon",
+          "tapestry", "volcano", "marble", "thimble", "canyon", "parsley")
+
+
+@dataclass
+class RetrievalPrompt:
+    task: str  # passkey | needle
+    length: int  # target total prompt tokens
+    depth: float
+    context_ids: torch.Tensor  # haystack with the needle, prefilled
+    question_ids: torch.Tensor  # fed one token at a time
+    answer: str
+
+
+def make_retrieval_prompt(tok, haystack: str, task: str, length: int, depth: float, rng: random.Random) -> RetrievalPrompt:
+    """A haystack of real prose of about ``length`` tokens with a needle at ``depth`` (0 = start, 1 = end)."""
+    if task == "passkey":
+        answer = str(rng.randint(10000, 99999))
+        needle = f" The pass key is {answer}. Remember it. {answer} is the pass key. "
+        question = " What is the pass key? The pass key is"
+    elif task == "needle":
+        answer = rng.choice(_WORDS)
+        needle = f" The special magic word is {answer}. Remember the special magic word: {answer}. "
+        question = " What is the special magic word? The special magic word is"
+    else:
+        raise ValueError(f"oscar eval: unknown retrieval task {task!r}")
+    needle_ids = tok(needle, add_special_tokens=False).input_ids
+    q_ids = tok(question, add_special_tokens=False).input_ids
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    budget = length - len(needle_ids) - len(q_ids) - len(bos)
+    start = rng.randint(0, max(0, len(haystack) - 8 * length))
+    hay = tok(haystack[start : start + 8 * length], add_special_tokens=False).input_ids[:budget]
+    if len(hay) < budget:
+        raise ValueError(f"oscar eval: the haystack text is too short for {length} tokens")
+    cut = int(round(depth * len(hay)))
+    ids = bos + hay[:cut] + needle_ids + hay[cut:]
+    return RetrievalPrompt(task, length, depth, torch.tensor([ids]), torch.tensor([q_ids]), answer)
+
+
+@torch.no_grad()
+def retrieve(session: Session, prompt: RetrievalPrompt, tok, max_new: int = 8) -> tuple[bool, str]:
+    session(prompt.context_ids)
+    logits = None
+    for i in range(prompt.question_ids.shape[1]):
+        logits = session(prompt.question_ids[:, i : i + 1])
+    out = []
+    for _ in range(max_new):
+        nxt = logits.argmax(-1, keepdim=True)
+        out.append(int(nxt))
+        logits = session(nxt)
+    text = tok.decode(out, skip_special_tokens=True)
+    return prompt.answer in text, text
+
+
+# ----------------------------------------------------------------------------- the whole harness
+@dataclass
+class EvalConfig:
+    ppl_contexts: tuple[int, ...] = (512, 2048)
+    ppl_decode: int = 64
+    ppl_sequences: int = 4
+    retrieval_lengths: tuple[int, ...] = (1024, 4096, 8192)
+    retrieval_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    retrieval_tasks: tuple[str, ...] = ("passkey", "needle")
+    retrieval_samples: int = 1
+    num_sinks: int = 64
+    window: int = 256
+    seed: int = 0
+
+
+def run_eval(model, tok, methods: list[Method], eval_text: str, haystack_text: str, cfg: EvalConfig,
+             progress: bool = True, log=print) -> dict:
+    """Every method on the same tokens; returns a JSON-able report."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    rows, retrieval = [], []
+    ids = tok(eval_text, return_tensors="pt").input_ids[0]
+    t0 = time.perf_counter()
+    max_ctx = max(cfg.ppl_contexts) if cfg.ppl_contexts else 0
+    for context in cfg.ppl_contexts:
+        length = context + cfg.ppl_decode + 1
+        # the same windows of text for every context length: consecutive blocks of the longest
+        block = max_ctx + cfg.ppl_decode + 1
+        if ids.numel() < cfg.ppl_sequences * block:
+            raise ValueError(f"oscar eval: the evaluation text has {ids.numel()} tokens, fewer than "
+                             f"{cfg.ppl_sequences} x {block}")
+        tokens = torch.stack([ids[i * block + (max_ctx - context): i * block + (max_ctx - context) + length]
+                              for i in range(cfg.ppl_sequences)]).to(device)
+        for m in methods:
+            torch._dynamo.reset()
+            s = Session(model, m, tokens.shape[0], length, cfg.num_sinks, cfg.window)
+            bar = (lambda it: tqdm(it, desc=f"ppl {m.name} @ {context}", unit="step", leave=False)) if progress else None
+            nll, n = perplexity_nll(s, tokens, context, bar)
+            row = {"metric": "ppl", "method": m.name, "context": context, "ppl": math.exp(nll / n), "nll": nll / n,
+                   "tokens": n, "bits_per_element": bits_per_element(model.config, m, length, cfg.num_sinks, cfg.window)}
+            rows.append(row)
+            log(f"ppl  context {context:>6}  {m.name:<20} {row['ppl']:10.3f}   ({row['bits_per_element']:.2f} bits/element)")
+    rng = random.Random(cfg.seed)
+    prompts = [make_retrieval_prompt(tok, haystack_text, task, length, depth, rng)
+               for task in cfg.retrieval_tasks for length in cfg.retrieval_lengths for depth in cfg.retrieval_depths
+               for _ in range(cfg.retrieval_samples)]
+    for m in methods:
+        torch._dynamo.reset()
+        it = tqdm(prompts, desc=f"retrieval {m.name}", leave=False) if progress else prompts
+        for p in it:
+            n = p.context_ids.shape[1] + p.question_ids.shape[1] + 10
+            s = Session(model, m, 1, n, cfg.num_sinks, cfg.window)
+            ok, text = retrieve(s, RetrievalPrompt(p.task, p.length, p.depth, p.context_ids.to(device),
+                                                   p.question_ids.to(device), p.answer), tok)
+            retrieval.append({"method": m.name, "task": p.task, "length": p.length, "depth": p.depth, "correct": ok,
+                              "answer": p.answer, "generated": text})
+        acc = [r["correct"] for r in retrieval if r["method"] == m.name]
+        if acc:
+            log(f"retrieval  {m.name:<20} {sum(acc)}/{len(acc)} correct")
+    return {"config": asdict(cfg), "methods": [{"name": m.name, "kind": m.kind,
+                                                "artifact_method": getattr(m.artifacts, "method", None)} for m in methods],
+            "perplexity": rows, "retrieval": retrieval, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+# ----------------------------------------------------------------------------- report
+def format_report(report: dict) -> str:
+    lines = []
+    ppl = report["perplexity"]
+    if ppl:
+        contexts = sorted({r["context"] for r in ppl})
+        names = list(dict.fromkeys(r["method"] for r in ppl))
+        base = {r["context"]: r["ppl"] for r in ppl if r["method"] == "bf16"}
+        lines.append("perplexity (teacher-forced decode; lower is better; in brackets: vs bf16)")
+        lines.append(f"  {'method':<22}" + "".join(f"{'ctx ' + str(c):>22}" for c in contexts) + f"{'bits/elem':>12}")
+        for n in names:
+            cells = []
+            for c in contexts:
+                r = next((r for r in ppl if r["method"] == n and r["context"] == c), None)
+                rel = f" ({100 * (r['ppl'] / base[c] - 1):+.1f}%)" if r and c in base else ""
+                cells.append(f"{r['ppl']:.3f}{rel}" if r else "-")
+            bits = next(r["bits_per_element"] for r in ppl if r["method"] == n and r["context"] == contexts[-1])
+            lines.append(f"  {n:<22}" + "".join(f"{c:>22}" for c in cells) + f"{bits:>12.2f}")
+    ret = report["retrieval"]
+    if ret:
+        lengths = sorted({r["length"] for r in ret})
+        names = list(dict.fromkeys(r["method"] for r in ret))
+        lines.append("retrieval accuracy (passkey + needle, all depths)")
+        lines.append(f"  {'method':<22}" + "".join(f"{str(length):>10}" for length in lengths))
+        for n in names:
+            cells = []
+            for length in lengths:
+                rs = [r["correct"] for r in ret if r["method"] == n and r["length"] == length]
+                cells.append(f"{sum(rs)}/{len(rs)}")
+            lines.append(f"  {n:<22}" + "".join(f"{c:>10}" for c in cells))
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ppl, ret = report["perplexity"], report["retrieval"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax = axes[0]
+    if ppl:
+        ctx = max(r["context"] for r in ppl)
+        for r in (r for r in ppl if r["context"] == ctx):
+            ax.scatter(r["bits_per_element"], r["nll"], s=40)
+            ax.annotate(r["method"], (r["bits_per_element"], r["nll"]), fontsize=8, xytext=(4, 2), textcoords="offset points")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bits per K/V element (metadata and BF16 tokens included)")
+        ax.set_ylabel(f"loss (nats/token), context {ctx}")
+        ax.set_title("loss vs bits")
+    ax = axes[1]
+    if ret:
+        names = list(dict.fromkeys(r["method"] for r in ret))
+        lengths = sorted({r["length"] for r in ret})
+        for n in names:
+            accs = [sum(r["correct"] for r in ret if r["method"] == n and r["length"] == L) /
+                    max(1, sum(1 for r in ret if r["method"] == n and r["length"] == L)) for L in lengths]
+            ax.plot(lengths, accs, marker="o", label=n)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("retrieval accuracy (passkey + needle, all depths)")
+        ax.set_title("retrieval vs context")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def save_report(report: dict, directory, stem: str) -> tuple[Path, Path]:
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    js, png = d / f"{stem}.json", d / f"{stem}.png"
+    js.write_text(json.dumps(report, indent=2))
+    plot_report(report, png)
+    return js, png

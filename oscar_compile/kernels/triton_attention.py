@@ -9,15 +9,17 @@ repeated. Splits ``0 .. NSPLIT-1`` share the INT2 page region of the row; the la
 BF16 keys (sinks, the ring and the new chunk). A second kernel merges the splits' partial softmax
 states, un-rotates (``o' B_o + mu_v``) and writes the output.
 
-INT2 in registers, never in memory: a ``[BLOCK_N, d/4]`` byte tile is loaded once and its four
-quartered slices are expanded with one shift and mask each. With one (scale, min) per row
-(``g = d``) dequantization folds into the dot products, per key rather than per element::
+INT2 in registers, never in memory: a ``[BLOCK_N, d/4]`` byte tile is loaded once and expanded to
+``[BLOCK_N, d]`` codes with one shift and mask per quarter (a reshape puts quarter ``i`` at channels
+``i d/4 ..``, which is what quartered packing means). With one (scale, min) per row (``g = d``)
+dequantization folds into the dot products, per key rather than per element::
 
-    q'.k_hat = scale * sum_i q'_i . c_i + min * sum(q')          (c_i: the codes of quarter i)
+    q'.k_hat = scale * (q' . c) + min * sum(q')
     P V_hat  = (P * scale) @ c  + (P @ min)
 
-so the inner loop issues only shifts, masks, conversions and ``tl.dot`` (bf16/fp16 tensor cores).
-Smaller groups dequantize per element. The query is rotated in-kernel (``q B_q``, one ``d x d`` dot
+so the inner loop issues only shifts, masks, conversions and two ``tl.dot`` (fp16 tensor cores).
+Smaller groups dequantize per element. ``ablate`` switches off stages for measurements
+(1: values, 2: key dot, 4: everything but the loads). The query is rotated in-kernel (``q B_q``, one ``d x d`` dot
 per program) and the output un-rotated in the merge kernel.
 """
 
@@ -32,34 +34,30 @@ import triton.language as tl
 from .checks import check_attention
 
 LOG2E = 1.4426950408889634
+LAST_LAUNCH: dict = {}  # the compiled kernels of the latest call (register/spill reports in benchmarks)
 
 
 @triton.jit
-def _quarter_matmul(x0, x1, x2, x3, m_ptr, i: tl.constexpr, D: tl.constexpr, D4: tl.constexpr):
-    """Quarter ``i`` of the columns of ``[x0 x1 x2 x3] @ M`` (``M [D, D]`` fp32, row-major), in fp32.
+def _rowmajor_matmul(x_ptr, x_off, x_mask, m_ptr, BLOCK_M: tl.constexpr, D: tl.constexpr, KC: tl.constexpr):
+    """``X @ M`` for rows ``X [BLOCK_M, D]`` at ``x_ptr + x_off[:, None] + col`` and ``M [D, D]`` fp32.
 
-    Blocked ``D/4 x D/4`` so no operand tile grows with ``D^2`` (head_dim 256 stays in registers).
+    Blocked over ``KC`` input channels so no ``D x D`` tile is live at once (head_dim 256 fits).
     """
-    r = tl.arange(0, D4)[:, None] * D + i * D4 + tl.arange(0, D4)[None, :]
-    acc = tl.dot(x0, tl.load(m_ptr + r), input_precision="ieee")
-    acc = tl.dot(x1, tl.load(m_ptr + D4 * D + r), acc, input_precision="ieee")
-    acc = tl.dot(x2, tl.load(m_ptr + 2 * D4 * D + r), acc, input_precision="ieee")
-    acc = tl.dot(x3, tl.load(m_ptr + 3 * D4 * D + r), acc, input_precision="ieee")
+    col = tl.arange(0, D)
+    kc = tl.arange(0, KC)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for k0 in tl.static_range(0, D, KC):
+        xk = tl.load(x_ptr + x_off[:, None] + k0 + kc[None, :], mask=x_mask[:, None], other=0.0).to(tl.float32)
+        mk = tl.load(m_ptr + (k0 + kc)[:, None] * D + col[None, :])
+        acc = tl.dot(xk, mk, acc, input_precision="ieee")
     return acc
 
 
 @triton.jit
-def _scores_bf16(qq0, qq1, qq2, qq3, base, d4, rows_ok, D4: tl.constexpr, DT: tl.constexpr):
-    """``q' . k`` for a tile of BF16 keys whose row addresses are ``base [N]``."""
-    k0 = tl.load(base[:, None] + d4[None, :], mask=rows_ok[:, None], other=0.0).to(DT)
-    k1 = tl.load(base[:, None] + D4 + d4[None, :], mask=rows_ok[:, None], other=0.0).to(DT)
-    k2 = tl.load(base[:, None] + 2 * D4 + d4[None, :], mask=rows_ok[:, None], other=0.0).to(DT)
-    k3 = tl.load(base[:, None] + 3 * D4 + d4[None, :], mask=rows_ok[:, None], other=0.0).to(DT)
-    s = tl.dot(qq0, tl.trans(k0))
-    s = tl.dot(qq1, tl.trans(k1), s)
-    s = tl.dot(qq2, tl.trans(k2), s)
-    s = tl.dot(qq3, tl.trans(k3), s)
-    return s
+def _unpack_int2(codes, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Packed ``[BLOCK_N, D/4]`` bytes -> codes ``[BLOCK_N, D]`` (int32): quarter i is ``(byte >> 2i) & 3``."""
+    shifts = (tl.arange(0, 4) * 2)[None, :, None]
+    return tl.reshape((codes[:, None, :] >> shifts) & 3, (BLOCK_N, D))
 
 
 @triton.jit
@@ -90,11 +88,11 @@ def _attn_kernel(
     sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
     bq_ptr, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
     part_m_ptr, part_l_ptr, part_o_ptr,
-    T, M_TOTAL, qk_scale, keys_per_split,
-    S, W, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
+    T, M_TOTAL, qk_scale, keys_per_split, S, W,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
     PS: tl.constexpr, NSPLIT: tl.constexpr, HAS_RING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-    HAS_CHUNK: tl.constexpr, DT: tl.constexpr,
+    HAS_CHUNK: tl.constexpr, DT: tl.constexpr, KC: tl.constexpr, ALIGNED: tl.constexpr, ABLATE: tl.constexpr,
 ):
     D4: tl.constexpr = D // 4
     pid_bh = tl.program_id(0)
@@ -117,31 +115,18 @@ def _attn_kernel(
         c_end = length
     page_end = tl.maximum(tl.minimum(length - W, c0), S)  # INT2 keys: [S, page_end)
 
-    # q' = q @ B_q, one quarter of the output channels at a time, scaled for exp2.
-    d4 = tl.arange(0, D4)
-    qrow = q_ptr + b * sq_b + row_hq[:, None] * sq_h + row_t[:, None] * sq_t + d4[None, :]
-    qv0 = tl.load(qrow, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    qv1 = tl.load(qrow + D4, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    qv2 = tl.load(qrow + 2 * D4, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    qv3 = tl.load(qrow + 3 * D4, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    bq = bq_ptr + h * D * D
-    qq0 = _quarter_matmul(qv0, qv1, qv2, qv3, bq, 0, D, D4) * qk_scale
-    qq1 = _quarter_matmul(qv0, qv1, qv2, qv3, bq, 1, D, D4) * qk_scale
-    qq2 = _quarter_matmul(qv0, qv1, qv2, qv3, bq, 2, D, D4) * qk_scale
-    qq3 = _quarter_matmul(qv0, qv1, qv2, qv3, bq, 3, D, D4) * qk_scale
-    qsum = tl.sum(qq0, 1) + tl.sum(qq1, 1) + tl.sum(qq2, 1) + tl.sum(qq3, 1)
-    qq0 = qq0.to(DT)
-    qq1 = qq1.to(DT)
-    qq2 = qq2.to(DT)
-    qq3 = qq3.to(DT)
+    # q' = q @ B_q (rotated query), pre-scaled by softmax scale * log2(e) for exp2.
+    q_off = b * sq_b + row_hq * sq_h + row_t * sq_t
+    qq = _rowmajor_matmul(q_ptr, q_off, row_ok, bq_ptr + h * D * D, BLOCK_M, D, KC) * qk_scale
+    qsum = tl.sum(qq, 1)
+    qq = qq.to(DT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    a0 = tl.zeros([BLOCK_M, D4], tl.float32)
-    a1 = tl.zeros([BLOCK_M, D4], tl.float32)
-    a2 = tl.zeros([BLOCK_M, D4], tl.float32)
-    a3 = tl.zeros([BLOCK_M, D4], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
     nblk = tl.arange(0, BLOCK_N)
+    d4 = tl.arange(0, D4)
+    dcol = tl.arange(0, D)
 
     if split < NSPLIT:
         # ---------------- INT2 pages: keys [lo, hi) of the page region
@@ -155,25 +140,26 @@ def _attn_kernel(
             page = tl.where(page >= 0, page, 0)
             rowoff = page * sc_p + (qi % PS) * sc_s + h * sc_h
             metaoff = page * sm_p + (qi % PS) * sm_s + h * sm_h
+            if ALIGNED:
+                rowoff = tl.multiple_of(rowoff, 16)
             codes = tl.load(kc_ptr + rowoff[:, None] + d4[None, :], mask=key_ok[:, None], other=0).to(tl.int32)
-            if NG == 1:
+            if ABLATE == 4:  # loads only: no unpacking, no dots
+                s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum(codes, 1).to(tl.float32)[None, :]
+            elif NG == 1:
                 ks = tl.load(km_ptr + metaoff, mask=key_ok, other=0.0).to(tl.float32)
                 kmn = tl.load(km_ptr + metaoff + 1, mask=key_ok, other=0.0).to(tl.float32)
-                s = tl.dot(qq0, tl.trans((codes & 3).to(DT)))
-                s = tl.dot(qq1, tl.trans(((codes >> 2) & 3).to(DT)), s)
-                s = tl.dot(qq2, tl.trans(((codes >> 4) & 3).to(DT)), s)
-                s = tl.dot(qq3, tl.trans(((codes >> 6) & 3).to(DT)), s)
+                if ABLATE == 2:
+                    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum(codes, 1).to(tl.float32)[None, :]
+                else:
+                    s = tl.dot(qq, tl.trans(_unpack_int2(codes, BLOCK_N, D).to(DT)))
                 s = s * ks[None, :] + qsum[:, None] * kmn[None, :]
             else:
                 GS: tl.constexpr = D // NG
-                s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for quarter in tl.static_range(4):
-                    grp = (quarter * D4 + d4) // GS
-                    sc = tl.load(km_ptr + metaoff[:, None] + grp[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
-                    mn = tl.load(km_ptr + metaoff[:, None] + NG + grp[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
-                    x = (((codes >> (2 * quarter)) & 3).to(tl.float32) * sc + mn).to(DT)
-                    qq = qq0 if quarter == 0 else (qq1 if quarter == 1 else (qq2 if quarter == 2 else qq3))
-                    s = tl.dot(qq, tl.trans(x), s)
+                grp = dcol // GS
+                sc = tl.load(km_ptr + metaoff[:, None] + grp[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
+                mn = tl.load(km_ptr + metaoff[:, None] + NG + grp[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
+                x = (_unpack_int2(codes, BLOCK_N, D).to(tl.float32) * sc + mn).to(DT)
+                s = tl.dot(qq, tl.trans(x))
             s = _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
                          IS_CAUSAL, MASK_KIND)
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -181,36 +167,23 @@ def _attn_kernel(
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            a0 *= alpha[:, None]
-            a1 *= alpha[:, None]
-            a2 *= alpha[:, None]
-            a3 *= alpha[:, None]
-            vcodes = tl.load(vc_ptr + rowoff[:, None] + d4[None, :], mask=key_ok[:, None], other=0).to(tl.int32)
-            if NG == 1:
-                vs = tl.load(vm_ptr + metaoff, mask=key_ok, other=0.0).to(tl.float32)
-                vmn = tl.load(vm_ptr + metaoff + 1, mask=key_ok, other=0.0).to(tl.float32)
-                ps = (p * vs[None, :]).to(DT)
-                pm = tl.sum(p * vmn[None, :], 1)[:, None]
-                a0 = tl.dot(ps, (vcodes & 3).to(DT), a0) + pm
-                a1 = tl.dot(ps, ((vcodes >> 2) & 3).to(DT), a1) + pm
-                a2 = tl.dot(ps, ((vcodes >> 4) & 3).to(DT), a2) + pm
-                a3 = tl.dot(ps, ((vcodes >> 6) & 3).to(DT), a3) + pm
-            else:
-                GS2: tl.constexpr = D // NG
-                pd = p.to(DT)
-                for quarter in tl.static_range(4):
-                    grp = (quarter * D4 + d4) // GS2
-                    sc = tl.load(vm_ptr + metaoff[:, None] + grp[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
-                    mn = tl.load(vm_ptr + metaoff[:, None] + NG + grp[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
-                    x = (((vcodes >> (2 * quarter)) & 3).to(tl.float32) * sc + mn).to(DT)
-                    if quarter == 0:
-                        a0 = tl.dot(pd, x, a0)
-                    elif quarter == 1:
-                        a1 = tl.dot(pd, x, a1)
-                    elif quarter == 2:
-                        a2 = tl.dot(pd, x, a2)
-                    else:
-                        a3 = tl.dot(pd, x, a3)
+            acc = acc * alpha[:, None]
+            if ABLATE != 1:
+                vcodes = tl.load(vc_ptr + rowoff[:, None] + d4[None, :], mask=key_ok[:, None], other=0).to(tl.int32)
+                if ABLATE == 4:
+                    acc += tl.sum(vcodes, 1).to(tl.float32)[:, None].sum() * 0.0
+                elif NG == 1:
+                    vsc = tl.load(vm_ptr + metaoff, mask=key_ok, other=0.0).to(tl.float32)
+                    vmn = tl.load(vm_ptr + metaoff + 1, mask=key_ok, other=0.0).to(tl.float32)
+                    ps = (p * vsc[None, :]).to(DT)
+                    acc = tl.dot(ps, _unpack_int2(vcodes, BLOCK_N, D).to(DT), acc) + tl.sum(p * vmn[None, :], 1)[:, None]
+                else:
+                    GS2: tl.constexpr = D // NG
+                    grp2 = dcol // GS2
+                    sc = tl.load(vm_ptr + metaoff[:, None] + grp2[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
+                    mn = tl.load(vm_ptr + metaoff[:, None] + NG + grp2[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
+                    x = (_unpack_int2(vcodes, BLOCK_N, D).to(tl.float32) * sc + mn).to(DT)
+                    acc = tl.dot(p.to(DT), x, acc)
             m_i = m_new
     else:
         # ---------------- BF16 keys: sinks [0, min(S, L)), then [page_end, L) from the ring or the chunk
@@ -235,7 +208,8 @@ def _attn_kernel(
                 row_c = b * sch_b + tl.where(in_chunk, j - c0, 0) * sch_t + h * sch_h
                 kb = tl.where(in_chunk, kch_ptr + row_c, kb)
                 vb = tl.where(in_chunk, vch_ptr + row_c, vb)
-            s = _scores_bf16(qq0, qq1, qq2, qq3, kb, d4, key_ok, D4, DT)
+            k = tl.load(kb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
+            s = tl.dot(qq, tl.trans(k))
             s = _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
                          IS_CAUSAL, MASK_KIND)
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -243,12 +217,8 @@ def _attn_kernel(
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            pd = p.to(DT)
-            vrow = vb[:, None] + d4[None, :]
-            a0 = tl.dot(pd, tl.load(vrow, mask=key_ok[:, None], other=0.0).to(DT), a0 * alpha[:, None])
-            a1 = tl.dot(pd, tl.load(vrow + D4, mask=key_ok[:, None], other=0.0).to(DT), a1 * alpha[:, None])
-            a2 = tl.dot(pd, tl.load(vrow + 2 * D4, mask=key_ok[:, None], other=0.0).to(DT), a2 * alpha[:, None])
-            a3 = tl.dot(pd, tl.load(vrow + 3 * D4, mask=key_ok[:, None], other=0.0).to(DT), a3 * alpha[:, None])
+            v = tl.load(vb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
+            acc = tl.dot(p.to(DT), v, acc * alpha[:, None])
             m_i = m_new
 
     # partial softmax state of this split: m, l and the unnormalized output (rotated basis)
@@ -256,17 +226,13 @@ def _attn_kernel(
     base = (pid_bh * M_TOTAL + r) * NS + split
     tl.store(part_m_ptr + base, m_i, mask=row_ok)
     tl.store(part_l_ptr + base, l_i, mask=row_ok)
-    obase = part_o_ptr + base[:, None] * D + d4[None, :]
-    tl.store(obase, a0, mask=row_ok[:, None])
-    tl.store(obase + D4, a1, mask=row_ok[:, None])
-    tl.store(obase + 2 * D4, a2, mask=row_ok[:, None])
-    tl.store(obase + 3 * D4, a3, mask=row_ok[:, None])
+    tl.store(part_o_ptr + base[:, None] * D + dcol[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
 def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, so_b, so_h, so_t, pos_ptr, sp_b,
                   M_TOTAL, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
-                  NS_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+                  NS_P2: tl.constexpr, BLOCK_M: tl.constexpr, KC: tl.constexpr):
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
@@ -277,38 +243,30 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, 
     m = tl.load(part_m_ptr + rbase[:, None] + sp[None, :], mask=row_ok[:, None] & (sp[None, :] < NS), other=float("-inf"))
     m_max = tl.max(m, 1)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    D4: tl.constexpr = D // 4
-    d4 = tl.arange(0, D4)
-    a0 = tl.zeros([BLOCK_M, D4], tl.float32)
-    a1 = tl.zeros([BLOCK_M, D4], tl.float32)
-    a2 = tl.zeros([BLOCK_M, D4], tl.float32)
-    a3 = tl.zeros([BLOCK_M, D4], tl.float32)
-    denom = tl.zeros([BLOCK_M], tl.float32)
-    for s_i in range(NS):
-        m_s = tl.load(part_m_ptr + rbase + s_i, mask=row_ok, other=float("-inf"))
-        w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_safe))
-        denom += w * tl.load(part_l_ptr + rbase + s_i, mask=row_ok, other=0.0)
-        o = part_o_ptr + (rbase + s_i)[:, None] * D + d4[None, :]
-        a0 += tl.load(o, mask=row_ok[:, None], other=0.0) * w[:, None]
-        a1 += tl.load(o + D4, mask=row_ok[:, None], other=0.0) * w[:, None]
-        a2 += tl.load(o + 2 * D4, mask=row_ok[:, None], other=0.0) * w[:, None]
-        a3 += tl.load(o + 3 * D4, mask=row_ok[:, None], other=0.0) * w[:, None]
+    wgt = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_safe[:, None]))
+    lsum = tl.load(part_l_ptr + rbase[:, None] + sp[None, :], mask=row_ok[:, None] & (sp[None, :] < NS), other=0.0)
+    denom = tl.sum(wgt * lsum, 1)
     row_t = r // G
     pos = tl.load(pos_ptr + b * sp_b + tl.where(row_ok, row_t, 0), mask=row_ok, other=-1)
     has = (denom > 0) & (pos >= 0)
-    inv = (1.0 / tl.where(has, denom, 1.0))[:, None]
-    a0 *= inv
-    a1 *= inv
-    a2 *= inv
-    a3 *= inv
+    inv = 1.0 / tl.where(has, denom, 1.0)
+    # merged output, a KC-wide slice of channels at a time, straight into the un-rotation o' @ B_o
+    dcol = tl.arange(0, D)
+    kc = tl.arange(0, KC)
+    out = tl.zeros([BLOCK_M, D], tl.float32)
     bo = bo_ptr + h * D * D
+    for k0 in tl.static_range(0, D, KC):
+        o_k = tl.zeros([BLOCK_M, KC], tl.float32)
+        for s_i in range(NS):
+            w_s = tl.sum(tl.where(sp[None, :] == s_i, wgt, 0.0), 1)
+            o_k += tl.load(part_o_ptr + (rbase + s_i)[:, None] * D + k0 + kc[None, :], mask=row_ok[:, None], other=0.0) * w_s[:, None]
+        o_k = o_k * inv[:, None]
+        out = tl.dot(o_k, tl.load(bo + (k0 + kc)[:, None] * D + dcol[None, :]), out, input_precision="ieee")
+    out = out + tl.load(muv_ptr + h * D + dcol)[None, :]
+    out = tl.where(has[:, None], out, 0.0)
     row_hq = h * G + r % G
-    optr = out_ptr + b * so_b + row_hq[:, None] * so_h + row_t[:, None] * so_t + d4[None, :]
-    ty = out_ptr.dtype.element_ty
-    for i in tl.static_range(4):
-        out = _quarter_matmul(a0, a1, a2, a3, bo, i, D, D4) + tl.load(muv_ptr + h * D + i * D4 + d4)[None, :]
-        out = tl.where(has[:, None], out, 0.0)
-        tl.store(optr + i * D4, out.to(ty), mask=row_ok[:, None])
+    optr = out_ptr + b * so_b + row_hq[:, None] * so_h + row_t[:, None] * so_t + dcol[None, :]
+    tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @functools.lru_cache(maxsize=8)
@@ -318,11 +276,16 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _aligned16(codes: torch.Tensor) -> bool:
+    """Rows of packed codes start on 16-byte boundaries (lets the compiler use 16-byte loads)."""
+    return codes.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in codes.stride()[:3])
+
+
 def num_splits(batch: int, kv_heads: int, m_blocks: int, page_keys: int, block_n: int, device) -> int:
     """Splits of the page region so that even one long sequence fills the GPU (from shapes only)."""
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
     base = max(1, batch * kv_heads * m_blocks)
-    want = -(-2 * sms // base)  # about two programs per SM
+    want = -(-4 * sms // base)  # about four programs per SM
     most = max(1, -(-page_keys // (4 * block_n)))  # at least four key blocks per split
     return int(max(1, min(want, most, 128)))
 
@@ -331,7 +294,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      block_table, query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
                      k_chunk=None, v_chunk=None, chunk_positions=None, block_n: int | None = None,
                      splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                     dot_dtype: torch.dtype = torch.float16):
+                     dot_dtype: torch.dtype = torch.float16, ablate: int = 0):
     """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
 
     The chunk, when given, must be the row's newest tokens (what ``store`` just returned).
@@ -380,7 +343,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     dt = tl.bfloat16 if dot_dtype == torch.bfloat16 else tl.float16
     out = torch.empty(b, hq, t, d, dtype=q.dtype, device=dev)
     f32 = lambda x: x.float().contiguous()  # noqa: E731
-    _attn_kernel[(b * h, m_blocks, ns)](
+    LAST_LAUNCH["attention"] = _attn_kernel[(b * h, m_blocks, ns)](
         q, q.stride(0), q.stride(1), q.stride(2), pos, pos.stride(0), lens, lens.stride(0),
         c0, c_end, kch, vch, kch.stride(0), kch.stride(1), kch.stride(2),
         k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table, block_table.stride(0),
@@ -389,12 +352,13 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
         f32(query_transform), mask, smk[0], smk[1], smk[2], smk[3], mask_len,
         part_m, part_l, part_o, t, m_total, scale * LOG2E, keys_per_split, geo.num_sinks, geo.window,
         H=h, G=g, D=d, NG=geo.num_groups, PS=geo.page_size, NSPLIT=nsplit, HAS_RING=geo.window > 0, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind,
-        HAS_CHUNK=has_chunk, DT=dt, num_warps=num_warps, num_stages=num_stages,
+        HAS_CHUNK=has_chunk, DT=dt, KC=min(d, 64), ALIGNED=_aligned16(k_codes) and _aligned16(v_codes),
+        ABLATE=ablate, num_warps=num_warps, num_stages=num_stages,
     )
     merge_m = 16
-    _merge_kernel[(b * h, triton.cdiv(m_total, merge_m))](
+    LAST_LAUNCH["merge"] = _merge_kernel[(b * h, triton.cdiv(m_total, merge_m))](
         part_m, part_l, part_o, f32(output_transform), f32(value_mean), out, out.stride(0), out.stride(1),
         out.stride(2), pos, pos.stride(0), m_total, H=h, G=g, D=d, NS=ns, NS_P2=triton.next_power_of_2(ns),
-        BLOCK_M=merge_m,
+        BLOCK_M=merge_m, KC=min(d, 32),
     )
     return out
