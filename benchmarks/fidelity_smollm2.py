@@ -18,7 +18,7 @@ import torch
 
 from oscar_compile.assets import load_model, load_text
 from oscar_compile.calibration import collect_statistics, derive_artifacts, token_batches
-from oscar_compile.evaluation import evaluate_methods
+from oscar_compile.evaluation import Method, Session, bits_per_element, perplexity_nll
 
 METHODS = ["identity", "hadamard", "oscar", "oscar+kmean", "oscar+mean", "oscar+mean+scale", "hadamard+mean"]
 
@@ -50,14 +50,18 @@ def main():
     eval_ids = tok(load_text("wikipedia"), return_tensors="pt").input_ids[0]
     tokens = eval_ids[: args.eval_seqs * length].view(args.eval_seqs, length)
     rows = []
+    methods = [Method("bf16", "bf16")] + [Method(m, "oscar", a) for m, a in artifacts.items()]
     for setting in args.settings.split(","):
         sinks, window = map(int, setting.split("/"))
-        methods = {"bf16": {"options": {"quantize": False}}, **artifacts}
-        for r in evaluate_methods(model, tokens, args.context, methods, num_sinks=sinks, window=window):
-            rows.append({"method": r.name, "sinks": sinks, "window": window, "ppl": r.ppl, "nll": r.nll,
-                         "tokens": r.tokens, "bits_per_element": r.bits_per_element})
-            print(f"sinks {sinks:>3} window {window:>3}  {r.name:<18} ppl {r.ppl:9.3f}  bits/elem {r.bits_per_element:.3f}",
-                  flush=True)
+        for m in methods:
+            torch._dynamo.reset()
+            session = Session(model, m, tokens.shape[0], length, sinks, window)
+            nll, n = perplexity_nll(session, tokens, args.context)
+            ppl = float(torch.tensor(nll / n).exp())
+            bits = bits_per_element(model.config, m, length, sinks, window)
+            rows.append({"method": m.name, "sinks": sinks, "window": window, "ppl": ppl, "nll": nll / n, "tokens": n,
+                         "bits_per_element": bits})
+            print(f"sinks {sinks:>3} window {window:>3}  {m.name:<18} ppl {ppl:9.3f}  bits/elem {bits:.3f}", flush=True)
     result = {
         "model": args.model, "weights": "Q4_1 GGUF dequantized to fp32", "kv_cache_dtype": "bfloat16 (sinks/ring)",
         "calibration": {"text": "debian-handbook", **stats.info, "total_seconds": round(calib_seconds, 1)},

@@ -20,6 +20,56 @@ def _memory(args) -> int:
     return 0
 
 
+def _demo(args) -> int:
+    if args.synthetic:
+        return _demo_random(args)
+    from .demo import run_demo
+
+    return run_demo(args.model, args.method, calib_tokens=args.calib_tokens, num_sinks=args.sinks, window=args.window,
+                    new_tokens=args.new_tokens)
+
+
+def _eval(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .assets import load_model, load_text
+    from .calibration import collect_statistics, derive_artifacts, token_batches
+    from .evaluation import EvalConfig, Method, format_report, run_eval, save_report
+
+    ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
+    model, tok = load_model(args.model)
+    names = args.methods.split(",")
+    needs_stats = [n for n in names if n not in ("bf16", "kivi")]
+    artifacts = {}
+    if needs_stats:
+        ids = tok(load_text("debian-handbook"), return_tensors="pt").input_ids[0]
+        batches = token_batches(ids, 512, args.calib_batch, max_tokens=args.calib_tokens + 512 * args.calib_batch)
+        stats = collect_statistics(model, batches, data_description="debian-handbook")
+        artifacts = {n: derive_artifacts(stats, n) for n in needs_stats}
+    methods = []
+    for n in names:
+        if n == "bf16":
+            methods.append(Method("bf16", "bf16"))
+        elif n == "kivi":
+            methods.append(Method("kivi-2", "kivi", options={"group": 32, "residual": 128}))
+        else:
+            label = f"{n} ({artifacts[n].method})" if n == "default" else n
+            methods.append(Method(label, "oscar", artifacts[n]))
+    cfg = EvalConfig(ppl_contexts=ints(args.ppl_contexts), ppl_decode=args.ppl_decode, ppl_sequences=args.ppl_sequences,
+                     retrieval_lengths=ints(args.retrieval_lengths), retrieval_samples=args.retrieval_samples,
+                     num_sinks=args.sinks, window=args.window)
+    report = run_eval(model, tok, methods, load_text("wikipedia"), load_text("paul-graham"), cfg)
+    report["model"] = args.model
+    report["weights"] = "4-bit GGUF, dequantized to fp32 (the packaged model)"
+    report["calibration"] = {"text": "debian-handbook", "tokens": args.calib_tokens}
+    report["clip_ratios"] = {n: a.clip_ratios for n, a in artifacts.items()}
+    print(format_report(report))
+    js, png = save_report(report, args.out, args.name or args.model)
+    print(f"wrote {js} and {png}")
+    return 0
+
+
 def _demo_random(args) -> int:
     """Prefill + decode through the paged INT2 cache on random data; compare with BF16 attention."""
     import torch
@@ -138,10 +188,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="oscar", description="2-bit KV-cache quantization for LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="the main job: a CPU demo")
-    demo.add_argument("--prefill", type=int, default=300)
-    demo.add_argument("--steps", type=int, default=100)
-    demo.set_defaults(func=_demo_random)
+    demo = sub.add_parser("demo", help="the main job: calibrate, compile, generate and measure SmolLM2 on the CPU")
+    demo.add_argument("--model", default="smollm2-135m")
+    demo.add_argument("--method", default="default")
+    demo.add_argument("--calib-tokens", type=int, default=16384)
+    demo.add_argument("--sinks", type=int, default=16, help="BF16 sink tokens (small so short prompts reach INT2)")
+    demo.add_argument("--window", type=int, default=64, help="BF16 recent window")
+    demo.add_argument("--new-tokens", type=int, default=40)
+    demo.add_argument("--synthetic", action="store_true", help="random data through the cache only (no model)")
+    demo.add_argument("--prefill", type=int, default=300, help=argparse.SUPPRESS)
+    demo.add_argument("--steps", type=int, default=100, help=argparse.SUPPRESS)
+    demo.set_defaults(func=_demo)
+
+    ev = sub.add_parser("eval", help="accuracy of every method on the same tokens: perplexity, retrieval, bits")
+    ev.add_argument("--model", default="smollm2-135m")
+    ev.add_argument("--methods", default="bf16,kivi,identity,hadamard,oscar,default")
+    ev.add_argument("--calib-tokens", type=int, default=32768)
+    ev.add_argument("--calib-batch", type=int, default=4)
+    ev.add_argument("--ppl-contexts", default="512,2048")
+    ev.add_argument("--ppl-decode", type=int, default=64)
+    ev.add_argument("--ppl-sequences", type=int, default=4)
+    ev.add_argument("--retrieval-lengths", default="1024,4096,8192")
+    ev.add_argument("--retrieval-samples", type=int, default=1)
+    ev.add_argument("--sinks", type=int, default=64)
+    ev.add_argument("--window", type=int, default=256)
+    ev.add_argument("--out", default="oscar-eval")
+    ev.add_argument("--name", default=None, help="file stem of the JSON and plot")
+    ev.set_defaults(func=_eval)
 
     mem = sub.add_parser("memory", help="KV-cache memory of the INT2 format at given context lengths")
     mem.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])

@@ -135,6 +135,8 @@ def make_retrieval_prompt(tok, haystack: str, task: str, length: int, depth: flo
     q_ids = tok(question, add_special_tokens=False).input_ids
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     budget = length - len(needle_ids) - len(q_ids) - len(bos)
+    if budget < 1:
+        raise ValueError(f"oscar eval: {length} tokens cannot hold the needle ({len(needle_ids)}) and question ({len(q_ids)})")
     start = rng.randint(0, max(0, len(haystack) - 8 * length))
     hay = tok(haystack[start : start + 8 * length], add_special_tokens=False).input_ids[:budget]
     if len(hay) < budget:

@@ -1,0 +1,127 @@
+import math
+import random
+
+import torch
+
+from oscar_compile.baselines import KiviCache, KiviLayer, kivi_bits_per_element
+from oscar_compile.evaluation import (
+    EvalConfig,
+    Method,
+    Session,
+    bits_per_element,
+    format_report,
+    make_retrieval_prompt,
+    perplexity_nll,
+    plot_report,
+    retrieve,
+)
+from oscar_compile.testing import cache_kwarg, make_hf_cache, tiny_model
+
+
+def test_kivi_layer_keeps_the_residual_and_quantizes_keys_in_token_groups():
+    layer = KiviLayer(group=4, residual=6)
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 13, 8, generator=gen), torch.randn(1, 2, 13, 8, generator=gen)
+    keys, values = layer.update(k, v)
+    assert torch.equal(keys, k) and torch.equal(values, v)  # this call's tokens are read exactly
+    assert layer.k_q.shape[-2] == 4 and layer.k_fp.shape[-2] == 9  # 13 = 4 quantized + 9 (< 6 + 4 ... after flushes)
+    assert layer.v_q.shape[-2] == 7 and layer.v_fp.shape[-2] == 6
+    k1, v1 = torch.randn(1, 2, 1, 8, generator=gen), torch.randn(1, 2, 1, 8, generator=gen)
+    keys, values = layer.update(k1, v1)
+    assert keys.shape[-2] == 14 and torch.equal(keys[:, :, -1:], k1)
+    # history: the quantized keys changed (2-bit per channel over 4 tokens), the residual did not
+    assert not torch.equal(keys[:, :, :4], k[:, :, :4]) and torch.equal(keys[:, :, 4:13], k[:, :, 4:13])
+    err = (keys[:, :, :4] - k[:, :, :4]).abs()
+    rng = k[:, :, :4].amax(-2, keepdim=True) - k[:, :, :4].amin(-2, keepdim=True)
+    assert (err <= rng / 6 + 1e-2).all()  # per-channel group: half a step of (max - min) / 3 (fp16 meta)
+
+
+def test_kivi_cache_with_a_large_residual_is_exact():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 90, (2, 10), generator=torch.Generator().manual_seed(0))
+    kw = cache_kwarg(model)
+    with torch.no_grad():
+        ref = model(ids, **{kw: make_hf_cache("dynamic", model, 32, 2)}).logits
+        got = model(ids, **{kw: KiviCache(model.config, group=32, residual=128)}).logits
+    torch.testing.assert_close(got, ref)
+    assert 2.9 < kivi_bits_per_element(1 << 17, 64) < 3.05
+
+
+def _teacher_forced_reference(model, tokens, context):
+    """Direct computation: the same predictions with the uncompiled model and a DynamicCache."""
+    kw = cache_kwarg(model)
+    cache = make_hf_cache("dynamic", model, tokens.shape[1], tokens.shape[0])
+    nll = 0.0
+    with torch.no_grad():
+        model(tokens[:, :context], **{kw: cache})
+        for p in range(context, tokens.shape[1] - 1):
+            logits = model(tokens[:, p : p + 1], **{kw: cache}).logits[:, -1]
+            nll += torch.nn.functional.cross_entropy(logits, tokens[:, p + 1], reduction="sum").item()
+    return nll
+
+
+def test_teacher_forced_perplexity_matches_a_direct_computation():
+    model = tiny_model("qwen2")
+    tokens = torch.randint(3, 90, (2, 30), generator=torch.Generator().manual_seed(1))
+    s = Session(model, Method("bf16", "bf16"), 2, 30, num_sinks=2, window=4, cache_dtype=torch.float32)
+    nll, n = perplexity_nll(s, tokens, 20)
+    assert n == 2 * 9
+    assert math.isclose(nll, _teacher_forced_reference(model, tokens, 20), rel_tol=1e-4)
+    s = Session(model, Method("int2", "oscar", None, {"rotation": "hadamard"}), 2, 30, num_sinks=2, window=4,
+                cache_dtype=torch.float32)
+    nll_q, _ = perplexity_nll(s, tokens, 20)
+    assert nll_q != nll  # the scored steps read INT2 history
+
+
+class _CharTokenizer:
+    bos_token_id = 1
+
+    def __call__(self, text, add_special_tokens=True, return_tensors=None):
+        ids = [3 + (ord(c) % 90) for c in text]
+
+        class Out:
+            input_ids = ids
+
+        return Out()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_retrieval_prompt_places_the_needle_at_the_depth():
+    tok = _CharTokenizer()
+    hay = "".join(random.Random(0).choice("abcdefgh ") for _ in range(20000))
+    for depth in (0.0, 0.5, 1.0):
+        p = make_retrieval_prompt(tok, hay, "passkey", 600, depth, random.Random(3))
+        ids = p.context_ids[0].tolist()
+        assert len(ids) + p.question_ids.shape[1] == 600
+        needle = tok(f" The pass key is {p.answer}. Remember it. {p.answer} is the pass key. ").input_ids
+        at = next(i for i in range(len(ids)) if ids[i : i + len(needle)] == needle)
+        hay_len = len(ids) - 1 - len(needle)  # minus BOS and the needle
+        assert abs((at - 1) - depth * hay_len) <= 1
+
+
+def test_retrieve_runs_the_question_through_decode_steps():
+    model = tiny_model("llama")
+    tok = _CharTokenizer()
+    p = make_retrieval_prompt(tok, "xyz " * 3000, "needle", 300, 0.5, random.Random(0))
+    s = Session(model, Method("bf16", "bf16"), 1, 310, num_sinks=2, window=4)
+    ok, text = retrieve(s, p, tok, max_new=4)
+    assert isinstance(ok, bool) and len(text) == 4
+
+
+def test_bits_and_report(tmp_path):
+    model = tiny_model("llama")
+    bf = bits_per_element(model.config, Method("bf16", "bf16"), 4096, 64, 256)
+    int2 = bits_per_element(model.config, Method("x"), 1 << 17, 64, 256)
+    assert bf == 16.0 and 4.0 < int2 < 4.1  # head_dim 16: 2 + 32/16 bits, plus the BF16 sinks/window share
+    report = {"config": {}, "perplexity": [
+        {"method": "bf16", "context": 512, "ppl": 10.0, "nll": 2.3, "bits_per_element": 16.0},
+        {"method": "oscar", "context": 512, "ppl": 10.5, "nll": 2.35, "bits_per_element": 2.3}],
+        "retrieval": [{"method": "bf16", "task": "passkey", "length": 1024, "depth": 0.5, "correct": True},
+                      {"method": "oscar", "task": "passkey", "length": 1024, "depth": 0.5, "correct": False}]}
+    text = format_report(report)
+    assert "10.500 (+5.0%)" in text and "0/1" in text and "1/1" in text
+    plot_report(report, tmp_path / "r.png")
+    assert (tmp_path / "r.png").stat().st_size > 1000
+    assert EvalConfig().num_sinks == 64
