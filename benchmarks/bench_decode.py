@@ -62,7 +62,7 @@ def bf16_bytes(b, length):
     return 2 * b * HKV * length * D * 2 + 2 * b * HQ * D * 2
 
 
-def bench_shape(b, length, device, sweep: bool):
+def bench_shape(b, length, device, sweep: bool, ablations: bool = False):
     from oscar_compile.kernels.triton_attention import attention_triton
 
     q = torch.randn(b, HQ, 1, D, device=device, dtype=torch.bfloat16)
@@ -83,6 +83,7 @@ def bench_shape(b, length, device, sweep: bool):
     if sweep:
         configs += [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
         configs += [dict(splits=s) for s in (2, 4, 8, 16, 32, 64, 128)]
+    if sweep or ablations:
         configs += [dict(ablate=a) for a in (1, 2, 4)]  # drop values / key dot / all but loads
     timings = []
     for cfg in configs:
@@ -108,7 +109,7 @@ def bench_shape(b, length, device, sweep: bool):
         "int2_roofline_fraction": (nb_int2 / (COPY_TBPS * 1e12)) / (t_int2 * 1e-6),
         "bf16_roofline_fraction": (nb_bf16 / (COPY_TBPS * 1e12)) / (t_sdpa * 1e-6),
         "speedup": t_sdpa / t_int2, "byte_ratio": nb_bf16 / nb_int2,
-        "sweep": [{"config": c, "us": t} for c, t in timings] if sweep else None, "kernels": kstats,
+        "sweep": [{"config": c, "us": t} for c, t in timings] if (sweep or ablations) else None, "kernels": kstats,
     }
 
 
@@ -165,6 +166,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--ablations", action="store_true", help="also time variants that drop one stage")
     ap.add_argument("--shapes", default=None, help="e.g. 1x4096,32x32768")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -172,7 +174,7 @@ def main():
     rows = []
     t0 = time.time()
     for b, length in shapes:
-        r = bench_shape(b, length, device, args.sweep)
+        r = bench_shape(b, length, device, args.sweep, args.ablations)
         rows.append(r)
         print(f"{b:>3} x {length:>6}: BF16 SDPA {r['bf16_sdpa_us']:8.1f} us ({r['bf16_tbps']:.2f} TB/s) | INT2 "
               f"{r['int2_us']:8.1f} us ({r['int2_tbps']:.2f} TB/s, {100 * r['int2_roofline_fraction']:.0f}% of roofline) "

@@ -49,14 +49,17 @@ def _rowmajor_matmul(x_ptr, x_off, x_mask, m_ptr, BLOCK_M: tl.constexpr, D: tl.c
     for k0 in tl.static_range(0, D, KC):
         xk = tl.load(x_ptr + x_off[:, None] + k0 + kc[None, :], mask=x_mask[:, None], other=0.0).to(tl.float32)
         mk = tl.load(m_ptr + (k0 + kc)[:, None] * D + col[None, :])
-        acc = tl.dot(xk, mk, acc, input_precision="ieee")
+        acc = tl.dot(xk, mk, acc, input_precision="tf32x3")  # fp32-accurate on tensor cores
     return acc
 
 
 @triton.jit
 def _unpack_int2(codes, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """Packed ``[BLOCK_N, D/4]`` bytes -> codes ``[BLOCK_N, D]`` (int32): quarter i is ``(byte >> 2i) & 3``."""
-    shifts = (tl.arange(0, 4) * 2)[None, :, None]
+    """Packed ``[BLOCK_N, D/4]`` bytes -> codes ``[BLOCK_N, D]`` (uint8): quarter i is ``(byte >> 2i) & 3``.
+
+    Kept in 8 bits until the conversion for the dot (an int32 intermediate costs 4x the registers).
+    """
+    shifts = (tl.arange(0, 4) * 2).to(tl.uint8)[None, :, None]
     return tl.reshape((codes[:, None, :] >> shifts) & 3, (BLOCK_N, D))
 
 
@@ -142,14 +145,14 @@ def _attn_kernel(
             metaoff = page * sm_p + (qi % PS) * sm_s + h * sm_h
             if ALIGNED:
                 rowoff = tl.multiple_of(rowoff, 16)
-            codes = tl.load(kc_ptr + rowoff[:, None] + d4[None, :], mask=key_ok[:, None], other=0).to(tl.int32)
+            codes = tl.load(kc_ptr + rowoff[:, None] + d4[None, :], mask=key_ok[:, None], other=0)
             if ABLATE == 4:  # loads only: no unpacking, no dots
-                s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum(codes, 1).to(tl.float32)[None, :]
+                s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum(codes.to(tl.int32), 1).to(tl.float32)[None, :]
             elif NG == 1:
                 ks = tl.load(km_ptr + metaoff, mask=key_ok, other=0.0).to(tl.float32)
                 kmn = tl.load(km_ptr + metaoff + 1, mask=key_ok, other=0.0).to(tl.float32)
                 if ABLATE == 2:
-                    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum(codes, 1).to(tl.float32)[None, :]
+                    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum(codes.to(tl.int32), 1).to(tl.float32)[None, :]
                 else:
                     s = tl.dot(qq, tl.trans(_unpack_int2(codes, BLOCK_N, D).to(DT)))
                 s = s * ks[None, :] + qsum[:, None] * kmn[None, :]
@@ -169,9 +172,9 @@ def _attn_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
             if ABLATE != 1:
-                vcodes = tl.load(vc_ptr + rowoff[:, None] + d4[None, :], mask=key_ok[:, None], other=0).to(tl.int32)
+                vcodes = tl.load(vc_ptr + rowoff[:, None] + d4[None, :], mask=key_ok[:, None], other=0)
                 if ABLATE == 4:
-                    acc += tl.sum(vcodes, 1).to(tl.float32)[:, None].sum() * 0.0
+                    acc += tl.sum(tl.sum(vcodes.to(tl.int32), 1), 0).to(tl.float32) * 0.0
                 elif NG == 1:
                     vsc = tl.load(vm_ptr + metaoff, mask=key_ok, other=0.0).to(tl.float32)
                     vmn = tl.load(vm_ptr + metaoff + 1, mask=key_ok, other=0.0).to(tl.float32)
@@ -243,25 +246,24 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, 
     m = tl.load(part_m_ptr + rbase[:, None] + sp[None, :], mask=row_ok[:, None] & (sp[None, :] < NS), other=float("-inf"))
     m_max = tl.max(m, 1)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    wgt = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_safe[:, None]))
-    lsum = tl.load(part_l_ptr + rbase[:, None] + sp[None, :], mask=row_ok[:, None] & (sp[None, :] < NS), other=0.0)
-    denom = tl.sum(wgt * lsum, 1)
+    dcol = tl.arange(0, D)
+    o = tl.zeros([BLOCK_M, D], tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    for s_i in range(NS):
+        m_s = tl.load(part_m_ptr + rbase + s_i, mask=row_ok, other=float("-inf"))
+        w_s = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_safe))
+        denom += w_s * tl.load(part_l_ptr + rbase + s_i, mask=row_ok, other=0.0)
+        o += tl.load(part_o_ptr + (rbase + s_i)[:, None] * D + dcol[None, :], mask=row_ok[:, None], other=0.0) * w_s[:, None]
     row_t = r // G
     pos = tl.load(pos_ptr + b * sp_b + tl.where(row_ok, row_t, 0), mask=row_ok, other=-1)
     has = (denom > 0) & (pos >= 0)
-    inv = 1.0 / tl.where(has, denom, 1.0)
-    # merged output, a KC-wide slice of channels at a time, straight into the un-rotation o' @ B_o
-    dcol = tl.arange(0, D)
-    kc = tl.arange(0, KC)
-    out = tl.zeros([BLOCK_M, D], tl.float32)
-    bo = bo_ptr + h * D * D
-    for k0 in tl.static_range(0, D, KC):
-        o_k = tl.zeros([BLOCK_M, KC], tl.float32)
-        for s_i in range(NS):
-            w_s = tl.sum(tl.where(sp[None, :] == s_i, wgt, 0.0), 1)
-            o_k += tl.load(part_o_ptr + (rbase + s_i)[:, None] * D + k0 + kc[None, :], mask=row_ok[:, None], other=0.0) * w_s[:, None]
-        o_k = o_k * inv[:, None]
-        out = tl.dot(o_k, tl.load(bo + (k0 + kc)[:, None] * D + dcol[None, :]), out, input_precision="ieee")
+    o = o / tl.where(has, denom, 1.0)[:, None]
+    # un-rotate: o' @ B_o, blocked over KC input channels (staged through a scratch row of part_o)
+    scratch = part_o_ptr + rbase * D  # this row's split-0 slot, already consumed above
+    tl.debug_barrier()
+    tl.store(scratch[:, None] + dcol[None, :], o, mask=row_ok[:, None])
+    tl.debug_barrier()
+    out = _rowmajor_matmul(part_o_ptr, rbase * D, row_ok, bo_ptr + h * D * D, BLOCK_M, D, KC)
     out = out + tl.load(muv_ptr + h * D + dcol)[None, :]
     out = tl.where(has[:, None], out, 0.0)
     row_hq = h * G + r % G
@@ -311,7 +313,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     m_total = g * t
     block_m = 16 if m_total <= 16 else (32 if m_total <= 32 else 64)
     m_blocks = triton.cdiv(m_total, block_m)
-    block_n = block_n or (64 if d > 64 else 128)
+    block_n = block_n or (64 if d > 128 else 128)
     page_keys = geo.max_pages * geo.page_size
     nsplit = splits or num_splits(b, h, m_blocks, page_keys, block_n, dev)
     keys_per_split = triton.cdiv(triton.cdiv(page_keys, nsplit), block_n) * block_n

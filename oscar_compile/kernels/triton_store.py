@@ -4,7 +4,7 @@ Beside it, :func:`oscar_compile.kernels.store.store_reference` is the oracle (sa
 
 One program handles ``BLOCK_T`` tokens of one sequence row and one KV head, keys then values:
 
-1. ``y = (x - mu) @ A`` (``tl.dot`` against the head's ``d x d`` matrix, fp32 ``ieee``), rounded to the
+1. ``y = (x - mu) @ A`` (``tl.dot`` against the head's ``d x d`` matrix, fp32-accurate ``tf32x3``), rounded to the
    cache dtype; written to the returned chunk ``[B, T, H, d]``.
 2. Destination by position ``p`` (``L`` = the row's newest position + 1, ``first`` its oldest new one):
    ``p < S`` -> sink; ``p`` the last chunk position of its ring slot (``p >= L - W``) -> ring slot
@@ -101,11 +101,15 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
         xk = tl.load(x_ptr + b * sx_b + h * sx_h + t[:, None] * sx_t + kq * D4 + c4[None, :], mask=inb[:, None], other=0.0)
         xk = xk.to(tl.float32) - tl.load(mu_ptr + h * D + kq * D4 + c4)[None, :]
         ak = tl.load(a_ptr + h * D * D + (kq * D4 + c4)[:, None] * D + col[None, :])
-        y = tl.dot(xk, ak, y, input_precision="ieee")
+        y = tl.dot(xk, ak, y, input_precision="tf32x3")  # fp32-accurate on tensor cores
     cache_ty = sink_ptr.dtype.element_ty
     yc = y.to(cache_ty)
-    y = yc.to(tl.float32)  # every region holds (and quantizes) the cache-dtype rounded row
-    tl.store(out_ptr + b * so_b + t[:, None] * so_t + h * so_h + col[None, :], yc, mask=inb[:, None])
+    out_rows = out_ptr + b * so_b + t[:, None] * so_t + h * so_h + col[None, :]
+    tl.store(out_rows, yc, mask=inb[:, None])
+    # Every region holds (and quantizes) the cache-dtype rounded row. Read it back: the reshapes of the
+    # quantizer then start from a plain load layout, not the dot's accumulator layout.
+    tl.debug_barrier()
+    y = tl.load(out_rows, mask=inb[:, None], other=0.0).to(tl.float32)
 
     length = last + 1
     in_sink = valid & (p < S)
