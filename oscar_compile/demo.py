@@ -17,6 +17,21 @@ DEMO_PROMPTS = (
 )
 
 
+def calibration_text_name() -> str:
+    """The Debian handbook (a Debian package) where apt can fetch it, else the Paul Graham essays (PyPI).
+
+    Either is disjoint from the Wikipedia evaluation text.
+    """
+    import shutil
+
+    from .assets import cache_dir
+
+    if (cache_dir() / "text" / "debian-handbook.txt").exists() or shutil.which("apt-get"):
+        return "debian-handbook"
+    print("oscar: no apt-get here for the Debian handbook; calibrating on the Paul Graham essays instead")
+    return "paul-graham"
+
+
 def cached_artifacts(model, tok, model_name: str, method: str, tokens: int, progress: bool = True):
     """Artifacts for ``model`` calibrated on the Debian handbook, cached under the user cache dir."""
     from .assets import cache_dir, load_text
@@ -31,10 +46,11 @@ def cached_artifacts(model, tok, model_name: str, method: str, tokens: int, prog
             return art, True
         except ArtifactError as e:
             print(f"oscar: cached artifacts at {path} unusable ({e}); recalibrating")
-    tok_ids = tok(load_text("debian-handbook"), return_tensors="pt").input_ids[0]
+    text_name = calibration_text_name()
+    tok_ids = tok(load_text(text_name), return_tensors="pt").input_ids[0]
     seq, bs = 512, 4
     batches = token_batches(tok_ids, seq, bs, max_tokens=tokens + seq * bs)
-    stats = collect_statistics(model, batches, data_description="debian-handbook", progress=progress)
+    stats = collect_statistics(model, batches, data_description=text_name, progress=progress)
     art = derive_artifacts(stats, method)
     art.save(path)
     return art, False
@@ -55,7 +71,7 @@ def run_demo(model_name: str = "smollm2-135m", method: str = "default", calib_to
     print(f"   weights: 4-bit GGUF (dequantized to fp32); KV cache: INT2 pages + BF16 sinks ({num_sinks}) and "
           f"recent window ({window})")
 
-    print(f"\n== 1. calibration ({method}) on the Debian handbook")
+    print(f"\n== 1. calibration ({method})")
     art, cached = cached_artifacts(model, tok, model_name, method, calib_tokens)
     print(("   loaded cached artifacts: " if cached else "   calibrated: ") + art.summary().splitlines()[1])
     ks = [k for k, _ in art.clip_ratios]
@@ -100,12 +116,12 @@ def run_demo(model_name: str = "smollm2-135m", method: str = "default", calib_to
         for label, text in outs.items():
             print(f"     {label:>4}: {text!r}")
 
-    print("\n== 4. KV memory (per sequence, all 30 layers; as the cache reports it)")
+    print(f"\n== 4. KV memory (one sequence, all layers, sinks {num_sinks} + window {window} in BF16; the cache's own report)")
     from .cache import PagedInt2KVCache
 
     cfg = model.config
     cache = PagedInt2KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
-                             max_seq_len=1, device="meta")
+                             max_seq_len=1, num_sinks=num_sinks, window=window, device="meta")
     for ctx in (1024, 8192):
         print("   " + str(cache.memory_report(ctx)))
 
