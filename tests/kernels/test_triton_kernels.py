@@ -52,14 +52,23 @@ def _attn_args(c, q, pos, seq_lens, mask=None, causal=False, chunk=(None, None, 
             tr.value_mean, mask, causal, q.shape[-1] ** -0.5, *chunk)
 
 
+def _row_tol(dtype):
+    """Stored rows: the kernel's fp32 transform differs from torch's in the last bits, which can move a
+    rounding to the cache dtype by one unit: 2e-5 for fp32 caches, one bf16 ulp (2^-8) for bf16."""
+    return (2e-5, 2e-5) if dtype == torch.float32 else (2 ** -8, 1e-3)
+
+
 def _assert_same_cache(ref: PagedInt2KVCache, got: PagedInt2KVCache):
     lr, lg = ref.layers[0], got.layers[0]
+    rtol, atol = _row_tol(lr.k_sink.dtype)
     for a, b in ((lr.k_sink, lg.k_sink), (lr.v_sink, lg.v_sink), (lr.k_ring, lg.k_ring), (lr.v_ring, lg.v_ring)):
-        torch.testing.assert_close(b.float(), a.float(), rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(b.float(), a.float(), rtol=rtol, atol=atol)
     g = ref.group_size
     for codes_r, meta_r, codes_g, meta_g in ((lr.k_codes, lr.k_meta, lg.k_codes, lg.k_meta),
                                              (lr.v_codes, lr.v_meta, lg.v_codes, lg.v_meta)):
-        torch.testing.assert_close(meta_g.float(), meta_r.float(), rtol=2e-3, atol=2e-4)
+        # (scale, min) follow the rows: a one-ulp row difference at a row's extreme moves them as much
+        close = torch.isclose(meta_g.float(), meta_r.float(), rtol=1e-2, atol=1e-3)
+        assert close.float().mean() >= 0.995, f"{1 - close.float().mean():.4f} of (scale, min) differ"
         x_r = dequantize_int2(codes_r, *meta_r.float().chunk(2, -1), g)
         x_g = dequantize_int2(codes_g, *meta_g.float().chunk(2, -1), g)
         step = meta_r[..., : meta_r.shape[-1] // 2].float().repeat_interleave(g, -1)
@@ -78,7 +87,8 @@ def _run_case(h, gqa, d, lengths, s, w, ps, decode_steps, group=None, clip=1.0, 
     ck_r, cv_r = store_reference(*_store_args(ref, k, v, pos))
     ck_g, cv_g = store_triton(*_store_args(got, k, v, pos))
     valid = pos >= 0
-    torch.testing.assert_close(ck_g[valid].float(), ck_r[valid].float(), rtol=2e-5, atol=2e-5)
+    rtol, atol = _row_tol(dtype)
+    torch.testing.assert_close(ck_g[valid].float(), ck_r[valid].float(), rtol=rtol, atol=atol)
     _assert_same_cache(ref, got)
     q = torch.randn(batch, h * gqa, t, d, generator=gen).to(DEV, dtype)
     seq_lens = (pos.amax(-1) + 1)
