@@ -67,7 +67,7 @@ class Session:
                  cache_dtype=torch.bfloat16):
         from .testing import cache_kwarg
 
-        self.model = model
+        self.model, self.method, self.batch, self.max_len = model, method, batch, max_len
         self.kw = cache_kwarg(model)
         if method.kind == "kivi":
             self.fn = model
@@ -81,6 +81,13 @@ class Session:
 
             self.fn = torch.compile(model, backend=oscar_backend(method.artifacts, **options))
             self.cache = OscarCache(model, max_cache_len=max_len, max_batch_size=batch)
+
+    def restart(self) -> None:
+        """Forget every sequence; keep the compiled graphs (same cache shapes: no recompilation)."""
+        if self.method.kind == "kivi":
+            self.cache = KiviCache(self.model.config, **self.method.options)
+        else:
+            self.cache.reset()  # positions restart at 0; the INT2 pages are simply overwritten
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -124,25 +131,29 @@ def make_retrieval_prompt(tok, haystack: str, task: str, length: int, depth: flo
     if task == "passkey":
         answer = str(rng.randint(10000, 99999))
         needle = f" The pass key is {answer}. Remember it. {answer} is the pass key. "
-        question = " What is the pass key? The pass key is"
+        question, lead = " What is the pass key?", "The pass key is"
     elif task == "needle":
         answer = rng.choice(_WORDS)
         needle = f" The special magic word is {answer}. Remember the special magic word: {answer}. "
-        question = " What is the special magic word? The special magic word is"
+        question, lead = " What is the special magic word?", "The special magic word is"
     else:
         raise ValueError(f"oscar eval: unknown retrieval task {task!r}")
-    needle_ids = tok(needle, add_special_tokens=False).input_ids
-    q_ids = tok(question, add_special_tokens=False).input_ids
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    budget = length - len(needle_ids) - len(q_ids) - len(bos)
+    enc = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
+    # the classic passkey framing (Mohtashami & Jaggi, 2023): say up front that something is hidden
+    head = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + enc(
+        "There is important information hidden inside a lot of irrelevant text. Find it and memorize it. "
+        "I will quiz you about the important information there.\n")
+    q_ids = enc(question + " " + lead)
+    needle_ids = enc(needle)
+    budget = length - len(needle_ids) - len(q_ids) - len(head)
     if budget < 1:
         raise ValueError(f"oscar eval: {length} tokens cannot hold the needle ({len(needle_ids)}) and question ({len(q_ids)})")
     start = rng.randint(0, max(0, len(haystack) - 8 * length))
-    hay = tok(haystack[start : start + 8 * length], add_special_tokens=False).input_ids[:budget]
+    hay = enc(haystack[start : start + 8 * length])[:budget]
     if len(hay) < budget:
         raise ValueError(f"oscar eval: the haystack text is too short for {length} tokens")
     cut = int(round(depth * len(hay)))
-    ids = bos + hay[:cut] + needle_ids + hay[cut:]
+    ids = head + hay[:cut] + needle_ids + hay[cut:]
     return RetrievalPrompt(task, length, depth, torch.tensor([ids]), torch.tensor([q_ids]), answer)
 
 
@@ -208,12 +219,13 @@ def run_eval(model, tok, methods: list[Method], eval_text: str, haystack_text: s
     prompts = [make_retrieval_prompt(tok, haystack_text, task, length, depth, rng)
                for task in cfg.retrieval_tasks for length in cfg.retrieval_lengths for depth in cfg.retrieval_depths
                for _ in range(cfg.retrieval_samples)]
+    longest = max((p.context_ids.shape[1] + p.question_ids.shape[1] for p in prompts), default=0) + 16
     for m in methods:
         torch._dynamo.reset()
+        s = Session(model, m, 1, longest, cfg.num_sinks, cfg.window)  # one compile per method, every prompt
         it = tqdm(prompts, desc=f"retrieval {m.name}", leave=False) if progress else prompts
         for p in it:
-            n = p.context_ids.shape[1] + p.question_ids.shape[1] + 10
-            s = Session(model, m, 1, n, cfg.num_sinks, cfg.window)
+            s.restart()
             ok, text = retrieve(s, RetrievalPrompt(p.task, p.length, p.depth, p.context_ids.to(device),
                                                    p.question_ids.to(device), p.answer), tok)
             retrieval.append({"method": m.name, "task": p.task, "length": p.length, "depth": p.depth, "correct": ok,
@@ -235,7 +247,7 @@ def format_report(report: dict) -> str:
         names = list(dict.fromkeys(r["method"] for r in ppl))
         base = {r["context"]: r["ppl"] for r in ppl if r["method"] == "bf16"}
         lines.append("perplexity (teacher-forced decode; lower is better; in brackets: vs bf16)")
-        lines.append(f"  {'method':<22}" + "".join(f"{'ctx ' + str(c):>22}" for c in contexts) + f"{'bits/elem':>12}")
+        lines.append(f"  {'method':<30}" + "".join(f"{'ctx ' + str(c):>22}" for c in contexts) + f"{'bits/elem':>12}")
         for n in names:
             cells = []
             for c in contexts:
@@ -243,19 +255,19 @@ def format_report(report: dict) -> str:
                 rel = f" ({100 * (r['ppl'] / base[c] - 1):+.1f}%)" if r and c in base else ""
                 cells.append(f"{r['ppl']:.3f}{rel}" if r else "-")
             bits = next(r["bits_per_element"] for r in ppl if r["method"] == n and r["context"] == contexts[-1])
-            lines.append(f"  {n:<22}" + "".join(f"{c:>22}" for c in cells) + f"{bits:>12.2f}")
+            lines.append(f"  {n:<30}" + "".join(f"{c:>22}" for c in cells) + f"{bits:>12.2f}")
     ret = report["retrieval"]
     if ret:
         lengths = sorted({r["length"] for r in ret})
         names = list(dict.fromkeys(r["method"] for r in ret))
         lines.append("retrieval accuracy (passkey + needle, all depths)")
-        lines.append(f"  {'method':<22}" + "".join(f"{str(length):>10}" for length in lengths))
+        lines.append(f"  {'method':<30}" + "".join(f"{str(length):>10}" for length in lengths))
         for n in names:
             cells = []
             for length in lengths:
                 rs = [r["correct"] for r in ret if r["method"] == n and r["length"] == length]
                 cells.append(f"{sum(rs)}/{len(rs)}")
-            lines.append(f"  {n:<22}" + "".join(f"{c:>10}" for c in cells))
+            lines.append(f"  {n:<30}" + "".join(f"{c:>10}" for c in cells))
     return "\n".join(lines)
 
 

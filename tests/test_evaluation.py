@@ -91,14 +91,16 @@ class _CharTokenizer:
 def test_retrieval_prompt_places_the_needle_at_the_depth():
     tok = _CharTokenizer()
     hay = "".join(random.Random(0).choice("abcdefgh ") for _ in range(20000))
+    where = {}
     for depth in (0.0, 0.5, 1.0):
         p = make_retrieval_prompt(tok, hay, "passkey", 600, depth, random.Random(3))
         ids = p.context_ids[0].tolist()
         assert len(ids) + p.question_ids.shape[1] == 600
         needle = tok(f" The pass key is {p.answer}. Remember it. {p.answer} is the pass key. ").input_ids
-        at = next(i for i in range(len(ids)) if ids[i : i + len(needle)] == needle)
-        hay_len = len(ids) - 1 - len(needle)  # minus BOS and the needle
-        assert abs((at - 1) - depth * hay_len) <= 1
+        where[depth] = next(i for i in range(len(ids)) if ids[i : i + len(needle)] == needle)
+    assert where[1.0] == len(ids) - len(needle)  # at the end of the haystack
+    hay_len = where[1.0] - where[0.0]
+    assert abs(where[0.5] - where[0.0] - 0.5 * hay_len) <= 1
 
 
 def test_retrieve_runs_the_question_through_decode_steps():
