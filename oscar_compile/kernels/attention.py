@@ -124,22 +124,31 @@ def attention_reference(
             mask = torch.cat([mask, mask.new_full((b, hq, t, max_len - covered), pad)], dim=-1)
         mask = mask.reshape(b, h, g, t, max_len)
 
+    k_heads = keys.transpose(1, 2)  # [B, H, L, d]
+    v_heads = values.transpose(1, 2)
     for t0 in range(0, t, _QUERY_CHUNK):
         t1 = min(t, t0 + _QUERY_CHUNK)
-        scores = torch.einsum("bhgtd,blhd->bhgtl", qt[:, :, :, t0:t1], keys) * scale
-        keep = visible_len[:, None, None, None, :].expand_as(scores)
+        n = t1 - t0
+        keep = visible_len[:, None, None, None, :].expand(b, h, g, n, max_len)
         if is_causal:
             keep = keep & (key_pos[None, None, None, None, :] <= pos[:, None, None, t0:t1, None])
+        bias = None
         if mask is not None:
             m = mask[:, :, :, t0:t1]
             if m.dtype == torch.bool:
                 keep = keep & m
             else:
-                scores = scores + m.float()
-        scores = scores.masked_fill(~keep, float("-inf"))
-        has_key[:, :, :, t0:t1] = torch.isfinite(scores).any(dim=-1) & (pos[:, None, None, t0:t1] >= 0)
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        out[:, :, :, t0:t1] = torch.einsum("bhgtl,blhd->bhgtd", probs, values)
+                bias = m.float()
+                keep = keep & (bias > float("-inf"))
+        row_ok = keep.any(dim=-1) & (pos[:, None, None, t0:t1] >= 0)
+        has_key[:, :, :, t0:t1] = row_ok
+        # Fully masked rows would give NaN: let them see everything, their output is zeroed below.
+        keep = keep | ~row_ok[..., None]
+        attn_mask = keep if bias is None else torch.where(keep, bias.masked_fill(~torch.isfinite(bias), 0.0), float("-inf"))
+        q_rows = qt[:, :, :, t0:t1].reshape(b, h * g, n, d)  # query head h*G+g reads KV head h
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q_rows, k_heads, v_heads, attn_mask=attn_mask.reshape(b, h * g, n, max_len), scale=scale, enable_gqa=True)
+        out[:, :, :, t0:t1] = o.reshape(b, h, g, n, d)
 
     out = torch.einsum("bhgtd,hde->bhgte", out, output_transform.float()) + value_mean.float()[None, :, None, None, :]
     out = torch.where(has_key[..., None], out, torch.zeros_like(out))  # padding / no visible key -> 0
