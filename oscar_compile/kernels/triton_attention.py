@@ -84,6 +84,16 @@ def _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, sm
 
 
 @triton.jit
+def _online_softmax(s, m_i, l_i):
+    """One block of the streaming softmax (base 2): weights, the rescale of the running state, new m and l."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero weight
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _attn_kernel(
     q_ptr, sq_b, sq_h, sq_t, pos_ptr, sp_b, len_ptr, sl_b,
     c0_ptr, cend_ptr, kch_ptr, vch_ptr, sch_b, sch_t, sch_h,
@@ -165,11 +175,7 @@ def _attn_kernel(
                 s = tl.dot(qq, tl.trans(x))
             s = _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
                          IS_CAUSAL, MASK_KIND)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
             acc = acc * alpha[:, None]
             if ABLATE != 1:
                 vcodes = tl.load(vc_ptr + rowoff[:, None] + d4[None, :], mask=key_ok[:, None], other=0)
@@ -215,11 +221,7 @@ def _attn_kernel(
             s = tl.dot(qq, tl.trans(k))
             s = _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
                          IS_CAUSAL, MASK_KIND)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
             v = tl.load(vb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
             acc = tl.dot(p.to(DT), v, acc * alpha[:, None])
             m_i = m_new
