@@ -15,7 +15,7 @@ for decode therefore share their slots. One backend serves one sequence batch at
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch

@@ -30,8 +30,6 @@ def _demo(args) -> int:
 
 
 def _eval(args) -> int:
-    import json
-    from pathlib import Path
 
     from .assets import load_model, load_text
     from .calibration import collect_statistics, derive_artifacts, token_batches

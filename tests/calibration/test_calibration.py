@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import oscar_compile
-from oscar_compile.calibration import ArtifactError, Artifacts, calibrate, load_artifacts, parse_method
+from oscar_compile.calibration import ArtifactError, calibrate, load_artifacts, parse_method
 from oscar_compile.calibration.clipping import attention_probs, key_error, search_clip, value_error
 from oscar_compile.calibration.rotations import bit_reversal_permutation, derive_transforms
 from oscar_compile.calibration.statistics import StatsObserver
