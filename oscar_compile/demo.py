@@ -63,7 +63,7 @@ def run_demo(model_name: str = "smollm2-135m", method: str = "default", calib_to
     from .evaluation import Method, Session, bits_per_element, perplexity_nll
     from .explainer import explain
     from .hf import OscarCache
-    from .testing import cache_kwarg
+    from .hf import cache_kwarg
 
     t0 = time.perf_counter()
     print(f"== oscar demo: {model_name} on {torch.get_num_threads()} CPU thread(s)")

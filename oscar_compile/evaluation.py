@@ -65,7 +65,7 @@ class Session:
 
     def __init__(self, model, method: Method, batch: int, max_len: int, num_sinks: int, window: int,
                  cache_dtype=torch.bfloat16):
-        from .testing import cache_kwarg
+        from .hf import cache_kwarg
 
         self.model, self.method, self.batch, self.max_len = model, method, batch, max_len
         self.kw = cache_kwarg(model)

@@ -100,7 +100,7 @@ def explain(model, *args, backend: OscarBackend | None = None, max_new_tokens: i
 
 
 def _explain_generate(model, input_ids, backend, max_new_tokens, cache, max_cache_len, **kwargs):
-    from .testing import cache_kwarg, make_hf_cache
+    from .hf import cache_kwarg, make_hf_cache
 
     if cache not in ("oscar", "static", "dynamic"):
         raise ValueError(f"oscar explain: cache must be oscar, static or dynamic, got {cache!r}")

@@ -76,3 +76,23 @@ class OscarCache(StaticCache):
         l0 = self.layers[0]
         return (f"OscarCache(layers={len(self.layers)}, batch={self.max_batch_size}, kv_heads={l0.num_heads}, "
                 f"head_dim={l0.k_head_dim}, max_cache_len={l0.max_cache_len}, no BF16 storage)")
+
+
+def cache_kwarg(model) -> str:
+    """transformers >= 5.2x calls the forward argument ``cache``; older 5.x ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def make_hf_cache(kind: str, model, max_len: int, batch: int):
+    """``kind``: oscar (an OscarCache), static or dynamic."""
+    from transformers import DynamicCache, StaticCache
+
+    if kind == "oscar":
+        return OscarCache(model, max_cache_len=max_len, max_batch_size=batch)
+    if kind == "static":
+        return StaticCache(config=model.config, max_cache_len=max_len)
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    raise ValueError(f"unknown cache kind {kind!r}")

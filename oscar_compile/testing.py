@@ -215,26 +215,7 @@ def tiny_model(family: str, seed: int = 0, attn_implementation: str = "sdpa"):
     return AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation=attn_implementation).eval()
 
 
-def cache_kwarg(model) -> str:
-    """transformers >= 5.2x calls the forward argument ``cache``; older 5.x ``past_key_values``."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def make_hf_cache(kind: str, model, max_len: int, batch: int):
-    """``kind``: oscar (an OscarCache), static or dynamic."""
-    from transformers import DynamicCache, StaticCache
-
-    from .hf import OscarCache
-
-    if kind == "oscar":
-        return OscarCache(model, max_cache_len=max_len, max_batch_size=batch)
-    if kind == "static":
-        return StaticCache(config=model.config, max_cache_len=max_len)
-    if kind == "dynamic":
-        return DynamicCache(config=model.config)
-    raise ValueError(f"unknown cache kind {kind!r}")
+from .hf import cache_kwarg, make_hf_cache  # noqa: E402,F401  (re-exported for tests)
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ def hf_forward(model, batch: torch.Tensor):
     """One calibration forward of a transformers causal LM: a prefill into a fresh DynamicCache."""
     from transformers import DynamicCache
 
-    from ..testing import cache_kwarg
+    from ..hf import cache_kwarg
 
     inner = getattr(model, "_orig_mod", model)
     return model(batch, **{cache_kwarg(inner): DynamicCache(config=inner.config)}, use_cache=True)
