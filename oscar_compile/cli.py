@@ -56,6 +56,8 @@ def _eval(args) -> int:
             methods.append(Method(label, "oscar", artifacts[n]))
     cfg = EvalConfig(ppl_contexts=ints(args.ppl_contexts), ppl_decode=args.ppl_decode, ppl_sequences=args.ppl_sequences,
                      retrieval_lengths=ints(args.retrieval_lengths), retrieval_samples=args.retrieval_samples,
+                     retrieval_depths=tuple(float(x) for x in args.retrieval_depths.split(",") if x),
+                     retrieval_tasks=tuple(x for x in args.retrieval_tasks.split(",") if x),
                      num_sinks=args.sinks, window=args.window)
     report = run_eval(model, tok, methods, load_text("wikipedia"), load_text("paul-graham"), cfg)
     report["model"] = args.model
@@ -208,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--ppl-sequences", type=int, default=4)
     ev.add_argument("--retrieval-lengths", default="1024,4096,8192")
     ev.add_argument("--retrieval-samples", type=int, default=1)
+    ev.add_argument("--retrieval-depths", default="0.1,0.5,0.9")
+    ev.add_argument("--retrieval-tasks", default="passkey,needle")
     ev.add_argument("--sinks", type=int, default=64)
     ev.add_argument("--window", type=int, default=256)
     ev.add_argument("--out", default="oscar-eval")
