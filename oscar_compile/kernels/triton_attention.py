@@ -5,14 +5,16 @@ Beside it, :func:`oscar_compile.kernels.attention.attention_reference` is the or
 Work decomposition (flash-decoding): one program per (sequence row, KV head, block of query rows,
 split). The query rows of a KV head are its whole GQA group times the query tokens (row
 ``r = t * G + g``), so every loaded KV tile serves all query heads that read it; KV is never
-repeated. Splits ``0 .. NSPLIT-1`` share the INT2 page region of the row; the last split takes the
-BF16 keys (sinks, the ring and the new chunk). A second kernel merges the splits' partial softmax
+repeated. Splits ``0 .. NSPLIT-1`` share the INT2 page region of the row; the last ones take the
+BF16 keys (sinks, the ring and the new chunk), in ``NB`` splits of their own. A second kernel merges the splits' partial softmax
 states, un-rotates (``o' B_o + mu_v``) and writes the output.
 
-INT2 in registers, never in memory: a ``[BLOCK_N, d/4]`` byte tile is loaded once and expanded to
-``[BLOCK_N, d]`` codes with one shift and mask per quarter (a reshape puts quarter ``i`` at channels
-``i d/4 ..``, which is what quartered packing means). With one (scale, min) per row (``g = d``)
-dequantization folds into the dot products, per key rather than per element::
+INT2 in registers, never in memory: the code pools are read as int32 words (``[BLOCK_N, d/16]``
+tiles, 16-byte vector loads) and expanded to ``[BLOCK_N, d]`` codes with shifts and masks (quartered
+packing puts channel ``i d/4 + c`` in byte ``c`` at bits ``2i``). The page loop is pipelined by hand:
+block ``i+1``'s codes and block ``i+2``'s block-table entries are in flight while block ``i`` is
+computed. With one (scale, min) per row (``g = d``) dequantization folds into the dot products, per
+key rather than per element::
 
     q'.k_hat = scale * (q' . c) + min * sum(q')
     P V_hat  = (P * scale) @ c  + (P @ min)
@@ -26,6 +28,7 @@ per program) and the output un-rotated in the merge kernel.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -54,13 +57,164 @@ def _rowmajor_matmul(x_ptr, x_off, x_mask, m_ptr, BLOCK_M: tl.constexpr, D: tl.c
 
 
 @triton.jit
-def _unpack_int2(codes, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """Packed ``[BLOCK_N, D/4]`` bytes -> codes ``[BLOCK_N, D]`` (uint8): quarter i is ``(byte >> 2i) & 3``.
+def _page_of(bt_ptr, b, sbt_b, j, hi, S, PS: tl.constexpr):
+    """Physical page of each key ``j`` of the page region (0 where out of range or unowned)."""
+    ok = j < hi
+    page = tl.load(bt_ptr + b * sbt_b + tl.where(ok, j - S, 0) // PS, mask=ok, other=0).to(tl.int64)
+    return tl.where(page >= 0, page, 0)
 
-    Kept in 8 bits until the conversion for the dot (an int32 intermediate costs 4x the registers).
-    """
-    shifts = (tl.arange(0, 4) * 2).to(tl.uint8)[None, :, None]
-    return tl.reshape((codes[:, None, :] >> shifts) & 3, (BLOCK_N, D))
+
+@triton.jit
+def _channel_of(u, D: tl.constexpr):
+    """True channel of unpacked position ``u`` (see :func:`unpacked_channel_order`)."""
+    w = u // 16
+    i = u % 16
+    j = i // 2
+    return (j % 4) * (D // 4) + 4 * w + j // 4 + 2 * (i % 2)
+
+
+@triton.jit
+def _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page, j, hi, S, h, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
+                     PS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
+                     ALIGNED: tl.constexpr):
+    """Packed codes (int32 words, ``[BLOCK_N, D/16]``) and metadata of keys ``j``: ``[BLOCK_N, 2]``
+    (scale, min) for one group a row, else ``[BLOCK_N, D, 2]`` (each unpacked position's group's)."""
+    ok = j < hi
+    slot = tl.where(ok, j - S, 0) % PS
+    rowoff = page * sc_p + slot * sc_s + h * sc_h  # in words
+    if ALIGNED:
+        rowoff = tl.multiple_of(rowoff, 4)  # 16-byte rows: vector loads
+    metaoff = page * sm_p + slot * sm_s + h * sm_h
+    w = tl.arange(0, D // 16)
+    kw = tl.load(kc_ptr + rowoff[:, None] + w[None, :], mask=ok[:, None], other=0)
+    vw = tl.load(vc_ptr + rowoff[:, None] + w[None, :], mask=ok[:, None], other=0)
+    if NG == 1:
+        g2 = tl.arange(0, 2)
+        km = tl.load(km_ptr + metaoff[:, None] + g2[None, :], mask=ok[:, None], other=0.0)
+        vm = tl.load(vm_ptr + metaoff[:, None] + g2[None, :], mask=ok[:, None], other=0.0)
+    else:
+        grp = _channel_of(tl.arange(0, D), D) // (D // NG)
+        moff = metaoff[:, None] + grp[None, :]
+        km = tl.join(tl.load(km_ptr + moff, mask=ok[:, None], other=0.0),
+                     tl.load(km_ptr + moff + NG, mask=ok[:, None], other=0.0))
+        vm = tl.join(tl.load(vm_ptr + moff, mask=ok[:, None], other=0.0),
+                     tl.load(vm_ptr + moff + NG, mask=ok[:, None], other=0.0))
+    return kw, km, vw, vm
+
+
+# PTX for one packed word -> its 16 codes as 16-bit floats (code + OFFSET) without integer-to-float
+# conversions: pair j takes bits 2j..2j+1 into the low half and 16+2j.. into the high half, ORs in the
+# bits of OFFSET (1024 in fp16: 0x6400; 128 in bf16: 0x4300) and splits the word into two registers.
+def _unpack_asm(magic: int) -> str:
+    body = "".join(f"shr.b32 t, $16, {2 * j};\nlop3.b32 t, t, 0x00030003, {magic:#010x}, 0xea;\n"
+                   f"mov.b32 {{${2 * j}, ${2 * j + 1}}}, t;\n" for j in range(8))
+    return "{\n.reg .b32 t;\n" + body + "}"
+
+
+_UNPACK_FP16_ASM = tl.constexpr(_unpack_asm(0x64006400))
+_UNPACK_BF16_ASM = tl.constexpr(_unpack_asm(0x43004300))
+_UNPACK_CONSTRAINTS = tl.constexpr(",".join(["=h"] * 16 + ["r"]))
+
+
+def unpacked_channel_order(d: int) -> list[int]:
+    """Channel held at each position of the kernel's unpacked tiles (``16 w + i`` for bit pair ``i`` of
+    word ``w``). The page loop works in this order throughout (it gathers the query's channels in it
+    and scatters its partial output back), so unpacking needs no shuffles. Host-side twin of
+    :func:`_channel_of`."""
+    order = []
+    for u in range(d):
+        w, i = divmod(u, 16)
+        j = i // 2
+        order.append((j % 4) * (d // 4) + 4 * w + j // 4 + 2 * (i % 2))
+    return order
+
+
+@triton.jit
+def _unpack_words(words, BLOCK_N: tl.constexpr, D: tl.constexpr, DT: tl.constexpr, USE_ASM: tl.constexpr):
+    """Packed int32 words ``[BLOCK_N, D/16]`` -> ``code + OFFSET`` as ``DT`` ``[BLOCK_N, D]``, in the
+    unpacked order (position ``16 w + i`` of word ``w``; :func:`unpacked_channel_order` maps it to its
+    channel). With the PTX unpacking OFFSET is 1024 for fp16 (128 for bf16): ``OFFSET + code`` is
+    exact there, and the offset folds into the per-key minimum, so no element needs a subtraction.
+    The plain path (the interpreter: its fp16 dots accumulate in fp16) returns the codes, OFFSET 0."""
+    if USE_ASM:
+        if DT == tl.float16:
+            o = tl.inline_asm_elementwise(_UNPACK_FP16_ASM, _UNPACK_CONSTRAINTS, [words], dtype=(tl.float16,) * 16,
+                                          is_pure=True, pack=1)
+        else:
+            o = tl.inline_asm_elementwise(_UNPACK_BF16_ASM, _UNPACK_CONSTRAINTS, [words], dtype=(tl.bfloat16,) * 16,
+                                          is_pure=True, pack=1)
+        # stack the 16 outputs on new minor dims, most significant bit of i first (tl.join appends a dim)
+        a0 = tl.join(o[0], o[8])
+        a1 = tl.join(o[1], o[9])
+        a2 = tl.join(o[2], o[10])
+        a3 = tl.join(o[3], o[11])
+        a4 = tl.join(o[4], o[12])
+        a5 = tl.join(o[5], o[13])
+        a6 = tl.join(o[6], o[14])
+        a7 = tl.join(o[7], o[15])
+        b0 = tl.join(a0, a4)
+        b1 = tl.join(a1, a5)
+        b2 = tl.join(a2, a6)
+        b3 = tl.join(a3, a7)
+        c0 = tl.join(b0, b2)
+        c1 = tl.join(b1, b3)
+        return tl.reshape(tl.join(c0, c1), (BLOCK_N, D))
+    else:
+        i = tl.arange(0, 16)
+        shifts = 2 * (i // 2) + 16 * (i % 2)
+        codes = (words[:, :, None] >> shifts[None, None, :]) & 3  # [BLOCK_N, D/16, 16]
+        return tl.reshape(codes, (BLOCK_N, D)).to(DT)
+
+
+@triton.jit
+def _code_offset(DT: tl.constexpr, USE_ASM: tl.constexpr):
+    """What :func:`_unpack_words` adds to every code (0, or 1024 / 128 with the PTX unpacking)."""
+    if USE_ASM:
+        if DT == tl.float16:
+            return 1024.0
+        else:
+            return 128.0
+    else:
+        return 0.0
+
+
+@triton.jit
+def _meta(meta):
+    """(scale, min) in fp32: ``[BLOCK_N]`` each for one group a row, else ``[BLOCK_N, D]``."""
+    sc, mn = tl.split(meta)
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _dequant_dot_keys(qq, qsum, kw, km, BLOCK_N: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, DT: tl.constexpr,
+                      USE_ASM: tl.constexpr):
+    """Scores ``q' . k_hat`` for a block of INT2 keys (scaled query ``qq`` in unpacked order, ``qsum = sum(q')``)."""
+    sc, mn = _meta(km)
+    codes = _unpack_words(kw, BLOCK_N, D, DT, USE_ASM)
+    if NG == 1:  # one (scale, min) per key: dequantize after the dot, per key
+        s = tl.dot(qq, tl.trans(codes))
+        s = s * sc[None, :] + qsum[:, None] * (mn - _code_offset(DT, USE_ASM) * sc)[None, :]
+    else:
+        x = (codes.to(tl.float32) - _code_offset(DT, USE_ASM)) * sc + mn
+        s = tl.dot(qq, tl.trans(x.to(DT)))
+    return s
+
+
+@triton.jit
+def _dequant_dot_values(p, vw, vm, acc, BLOCK_N: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, DT: tl.constexpr,
+                        USE_ASM: tl.constexpr):
+    """``acc + P V_hat`` for a block of INT2 values (output in unpacked order)."""
+    sc, mn = _meta(vm)
+    codes = _unpack_words(vw, BLOCK_N, D, DT, USE_ASM)
+    if NG == 1:
+        ps = (p * sc[None, :]).to(DT)
+        acc = tl.dot(ps, codes, acc)
+        # the offset's share, from the same rounded weights the dot used (then it cancels exactly)
+        acc = acc + (tl.sum(p * mn[None, :], 1) - _code_offset(DT, USE_ASM) * tl.sum(ps.to(tl.float32), 1))[:, None]
+    else:
+        x = (codes.to(tl.float32) - _code_offset(DT, USE_ASM)) * sc + mn
+        acc = tl.dot(p.to(DT), x.to(DT), acc)
+    return acc
 
 
 @triton.jit
@@ -94,25 +248,42 @@ def _online_softmax(s, m_i, l_i):
 
 
 @triton.jit
+def _query_kernel(q_ptr, sq_b, sq_h, sq_t, bq_ptr, qq_ptr, M_TOTAL, qk_scale, H: tl.constexpr, G: tl.constexpr,
+                  D: tl.constexpr, BLOCK_M: tl.constexpr, KC: tl.constexpr):
+    """``q' = q B_q * scale * log2(e)`` once per row (not once per split), in the tensor-core dtype."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < M_TOTAL
+    q_off = b * sq_b + (h * G + r % G) * sq_h + (r // G) * sq_t
+    qq = _rowmajor_matmul(q_ptr, q_off, row_ok, bq_ptr + h * D * D, BLOCK_M, D, KC) * qk_scale
+    dcol = tl.arange(0, D)
+    tl.store(qq_ptr + (pid_bh * M_TOTAL + r)[:, None] * D + dcol[None, :], qq.to(qq_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+@triton.jit
 def _attn_kernel(
-    q_ptr, sq_b, sq_h, sq_t, pos_ptr, sp_b, len_ptr, sl_b,
+    qq_ptr, pos_ptr, sp_b, len_ptr, sl_b,
     c0_ptr, cend_ptr, kch_ptr, vch_ptr, sch_b, sch_t, sch_h,
     kc_ptr, km_ptr, vc_ptr, vm_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, bt_ptr, sbt_b,
     sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
-    bq_ptr, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
+    mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
     part_m_ptr, part_l_ptr, part_o_ptr,
-    T, M_TOTAL, qk_scale, keys_per_split, S, W,
-    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
-    PS: tl.constexpr, NSPLIT: tl.constexpr, HAS_RING: tl.constexpr,
+    T, M_TOTAL, keys_per_split, bf16_per_split, S, W, NSPLIT, NS,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, PS: tl.constexpr, HAS_RING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_CHUNK: tl.constexpr, DT: tl.constexpr, KC: tl.constexpr, ALIGNED: tl.constexpr, ABLATE: tl.constexpr,
+    USE_ASM: tl.constexpr, REGION: tl.constexpr,
 ):
-    D4: tl.constexpr = D // 4
+    """One split of one row block: REGION 0 = INT2 pages (splits ``0 .. NSPLIT-1``), 1 = BF16 keys
+    (splits ``NSPLIT ..``). Two launches, so each region's code gets registers of its own."""
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
     m_block = tl.program_id(1)
-    split = tl.program_id(2)
+    split = tl.program_id(2) + REGION * NSPLIT
 
     r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < M_TOTAL
@@ -128,79 +299,64 @@ def _attn_kernel(
         c_end = length
     page_end = tl.maximum(tl.minimum(length - W, c0), S)  # INT2 keys: [S, page_end)
 
-    # q' = q @ B_q (rotated query), pre-scaled by softmax scale * log2(e) for exp2.
-    q_off = b * sq_b + row_hq * sq_h + row_t * sq_t
-    qq = _rowmajor_matmul(q_ptr, q_off, row_ok, bq_ptr + h * D * D, BLOCK_M, D, KC) * qk_scale
-    qsum = tl.sum(qq, 1)
-    qq = qq.to(DT)
-
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     nblk = tl.arange(0, BLOCK_N)
-    d4 = tl.arange(0, D4)
     dcol = tl.arange(0, D)
-
-    if split < NSPLIT:
-        # ---------------- INT2 pages: keys [lo, hi) of the page region
+    # q' (rotated, scaled by softmax scale * log2(e) for exp2), from the query kernel
+    qrow = qq_ptr + (pid_bh * M_TOTAL + r)[:, None] * D
+    if REGION == 0:
+        # The page region works in the unpacked channel order (no shuffles after unpacking): it reads the
+        # query's channels in that order and writes its partial output back to channel order at the end.
+        uperm = _channel_of(dcol, D)
+        qq = tl.load(qrow + uperm[None, :], mask=row_ok[:, None], other=0.0)
+        qsum = tl.sum(qq.to(tl.float32), 1)  # of the rounded query: cancels the unpacking offset exactly
+        # ---------------- INT2 pages: keys [lo, hi) of the page region.
+        # Software pipelined by hand: while block i is computed, block i+1's codes and metadata are
+        # in flight, and so is block i+2's block-table entry (loads issue without waiting; only a use
+        # waits). The packed tiles are small (d/16 words a key), so the extra registers are few.
         lo = S + split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, page_end)
+        page_n = _page_of(bt_ptr, b, sbt_b, lo + nblk, hi, S, PS)
+        kw, km, vw, vm = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page_n, lo + nblk, hi, S, h,
+                                          sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N, D, NG, ALIGNED)
+        page_n = _page_of(bt_ptr, b, sbt_b, lo + BLOCK_N + nblk, hi, S, PS)
         for j0 in range(lo, hi, BLOCK_N):
+            kw_n, km_n, vw_n, vm_n = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page_n, j0 + BLOCK_N + nblk,
+                                                      hi, S, h, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N,
+                                                      D, NG, ALIGNED)
+            page_n = _page_of(bt_ptr, b, sbt_b, j0 + 2 * BLOCK_N + nblk, hi, S, PS)
             j = j0 + nblk
             key_ok = j < hi
-            qi = tl.where(key_ok, j - S, 0)
-            page = tl.load(bt_ptr + b * sbt_b + qi // PS, mask=key_ok, other=0).to(tl.int64)
-            page = tl.where(page >= 0, page, 0)
-            rowoff = page * sc_p + (qi % PS) * sc_s + h * sc_h
-            metaoff = page * sm_p + (qi % PS) * sm_s + h * sm_h
-            if ALIGNED:
-                rowoff = tl.multiple_of(rowoff, 16)
-            codes = tl.load(kc_ptr + rowoff[:, None] + d4[None, :], mask=key_ok[:, None], other=0)
             if ABLATE == 4:  # loads only: no unpacking, no dots
-                s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum(codes.to(tl.int32), 1).to(tl.float32)[None, :]
-            elif NG == 1:
-                ks = tl.load(km_ptr + metaoff, mask=key_ok, other=0.0).to(tl.float32)
-                kmn = tl.load(km_ptr + metaoff + 1, mask=key_ok, other=0.0).to(tl.float32)
-                if ABLATE == 2:
-                    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum(codes.to(tl.int32), 1).to(tl.float32)[None, :]
-                else:
-                    s = tl.dot(qq, tl.trans(_unpack_int2(codes, BLOCK_N, D).to(DT)))
-                s = s * ks[None, :] + qsum[:, None] * kmn[None, :]
+                s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum(kw, 1).to(tl.float32)[None, :]
+            elif ABLATE == 2:
+                s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum(kw, 1).to(tl.float32)[None, :]
             else:
-                GS: tl.constexpr = D // NG
-                grp = dcol // GS
-                sc = tl.load(km_ptr + metaoff[:, None] + grp[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
-                mn = tl.load(km_ptr + metaoff[:, None] + NG + grp[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
-                x = (_unpack_int2(codes, BLOCK_N, D).to(tl.float32) * sc + mn).to(DT)
-                s = tl.dot(qq, tl.trans(x))
+                s = _dequant_dot_keys(qq, qsum, kw, km, BLOCK_N, D, NG, DT, USE_ASM)
             s = _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
                          IS_CAUSAL, MASK_KIND)
             p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
             acc = acc * alpha[:, None]
-            if ABLATE != 1:
-                vcodes = tl.load(vc_ptr + rowoff[:, None] + d4[None, :], mask=key_ok[:, None], other=0)
-                if ABLATE == 4:
-                    acc += tl.sum(tl.sum(vcodes.to(tl.int32), 1), 0).to(tl.float32) * 0.0
-                elif NG == 1:
-                    vsc = tl.load(vm_ptr + metaoff, mask=key_ok, other=0.0).to(tl.float32)
-                    vmn = tl.load(vm_ptr + metaoff + 1, mask=key_ok, other=0.0).to(tl.float32)
-                    ps = (p * vsc[None, :]).to(DT)
-                    acc = tl.dot(ps, _unpack_int2(vcodes, BLOCK_N, D).to(DT), acc) + tl.sum(p * vmn[None, :], 1)[:, None]
-                else:
-                    GS2: tl.constexpr = D // NG
-                    grp2 = dcol // GS2
-                    sc = tl.load(vm_ptr + metaoff[:, None] + grp2[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
-                    mn = tl.load(vm_ptr + metaoff[:, None] + NG + grp2[None, :], mask=key_ok[:, None], other=0.0).to(tl.float32)
-                    x = (_unpack_int2(vcodes, BLOCK_N, D).to(tl.float32) * sc + mn).to(DT)
-                    acc = tl.dot(p.to(DT), x, acc)
+            if ABLATE == 4:
+                acc += (tl.sum(tl.sum(vw, 1), 0).to(tl.float32) + tl.sum(tl.sum(vm, 1), 0).to(tl.float32)
+                        + tl.sum(tl.sum(km, 1), 0).to(tl.float32)) * 0.0
+            elif ABLATE != 1:
+                acc = _dequant_dot_values(p, vw, vm, acc, BLOCK_N, D, NG, DT, USE_ASM)
             m_i = m_new
+            kw, km, vw, vm = kw_n, km_n, vw_n, vm_n
     else:
         # ---------------- BF16 keys: sinks [0, min(S, L)), then [page_end, L) from the ring or the chunk
+        uperm = dcol
+        qq = tl.load(qrow + dcol[None, :], mask=row_ok[:, None], other=0.0)
         n_sink = tl.minimum(length, S)
         n_bf16 = n_sink + tl.maximum(length - page_end, 0)
-        for u0 in range(0, n_bf16, BLOCK_N):
+        u_lo = (split - NSPLIT) * bf16_per_split  # this split's share of the BF16 keys
+        u_hi = tl.minimum(u_lo + bf16_per_split, n_bf16)
+        for u0 in range(u_lo, u_hi, BLOCK_N):
             u = u0 + nblk
-            key_ok = u < n_bf16
+            key_ok = u < u_hi
             j = tl.where(u < n_sink, u, page_end + (u - n_sink))
             in_sink = key_ok & (j < S)
             in_chunk = key_ok & ~in_sink & (j >= c0) & (j < c_end)
@@ -217,6 +373,9 @@ def _attn_kernel(
                 row_c = b * sch_b + tl.where(in_chunk, j - c0, 0) * sch_t + h * sch_h
                 kb = tl.where(in_chunk, kch_ptr + row_c, kb)
                 vb = tl.where(in_chunk, vch_ptr + row_c, vb)
+            if ALIGNED:  # rows start on 16 bytes (all three buffers): vector loads despite the select
+                kb = tl.multiple_of(kb, 16)
+                vb = tl.multiple_of(vb, 16)
             k = tl.load(kb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
             s = tl.dot(qq, tl.trans(k))
             s = _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
@@ -227,26 +386,25 @@ def _attn_kernel(
             m_i = m_new
 
     # partial softmax state of this split: m, l and the unnormalized output (rotated basis)
-    NS: tl.constexpr = NSPLIT + 1
     base = (pid_bh * M_TOTAL + r) * NS + split
     tl.store(part_m_ptr + base, m_i, mask=row_ok)
     tl.store(part_l_ptr + base, l_i, mask=row_ok)
-    tl.store(part_o_ptr + base[:, None] * D + dcol[None, :], acc, mask=row_ok[:, None])
+    tl.store(part_o_ptr + base[:, None] * D + uperm[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
 def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, so_b, so_h, so_t, pos_ptr, sp_b,
-                  M_TOTAL, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
-                  NS_P2: tl.constexpr, BLOCK_M: tl.constexpr, KC: tl.constexpr):
+                  M_TOTAL, NS, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, KC: tl.constexpr):
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
     r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < M_TOTAL
     rbase = (pid_bh * M_TOTAL + r) * NS
-    sp = tl.arange(0, NS_P2)
-    m = tl.load(part_m_ptr + rbase[:, None] + sp[None, :], mask=row_ok[:, None] & (sp[None, :] < NS), other=float("-inf"))
-    m_max = tl.max(m, 1)
+    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s_i in range(NS):
+        m_max = tl.maximum(m_max, tl.load(part_m_ptr + rbase + s_i, mask=row_ok, other=float("-inf")))
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     dcol = tl.arange(0, D)
     o = tl.zeros([BLOCK_M, D], tl.float32)
@@ -273,6 +431,9 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, 
     tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no PTX: plain shifts instead
+
+
 @functools.lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     if not torch.cuda.is_available():
@@ -280,9 +441,19 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _aligned16(codes: torch.Tensor) -> bool:
-    """Rows of packed codes start on 16-byte boundaries (lets the compiler use 16-byte loads)."""
-    return codes.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in codes.stride()[:3])
+def _aligned16(*tensors: torch.Tensor) -> bool:
+    """Every row (last dim, contiguous) starts on a 16-byte boundary: lets the compiler use 16-byte loads."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+               and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+
+
+def _as_words(codes: torch.Tensor) -> torch.Tensor:
+    """The uint8 code pool seen as int32 words (4 bytes each): word loads instead of byte loads."""
+    try:
+        return codes.view(torch.int32)
+    except RuntimeError as e:
+        raise ValueError(f"oscar: the Triton attention needs code pools whose rows are whole 4-byte words "
+                         f"(got shape {tuple(codes.shape)}, strides {codes.stride()}): {e}") from None
 
 
 def num_splits(batch: int, kv_heads: int, m_blocks: int, page_keys: int, block_n: int, device) -> int:
@@ -298,7 +469,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      block_table, query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
                      k_chunk=None, v_chunk=None, chunk_positions=None, block_n: int | None = None,
                      splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                     dot_dtype: torch.dtype = torch.float16, ablate: int = 0):
+                     dot_dtype: torch.dtype = torch.float16, ablate: int = 0, unpack: str = "asm"):
     """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
 
     The chunk, when given, must be the row's newest tokens (what ``store`` just returned).
@@ -319,7 +490,12 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     page_keys = geo.max_pages * geo.page_size
     nsplit = splits or num_splits(b, h, m_blocks, page_keys, block_n, dev)
     keys_per_split = triton.cdiv(triton.cdiv(page_keys, nsplit), block_n) * block_n
-    ns = nsplit + 1
+    # The BF16 keys (sinks, ring, chunk: at most S + W + t) get splits of their own, each about as many
+    # bytes as a page split (a BF16 key is ~7x an INT2 one), so at short contexts they are not the tail.
+    bf16_keys = geo.num_sinks + geo.window + t
+    bf16_per_split = max(block_n, triton.cdiv(keys_per_split // 7, block_n) * block_n)
+    nb = triton.cdiv(bf16_keys, bf16_per_split)
+    ns = nsplit + nb
     part_m = torch.empty(b * h * m_total * ns, dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
     part_o = torch.empty(b * h * m_total * ns * d, dtype=torch.float32, device=dev)
@@ -344,25 +520,33 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
         mask, mask_kind, smk, mask_len = q, 0, (0, 0, 0, 0), 0
     # Tensor-core operands: fp16 (codes 0..3 are exact, q' and P keep 11 bits; BF16 cache rows convert
     # exactly within fp16's range). bf16 keeps range for caches with |x| > 65504, at 8 bits.
+    kw, vw = _as_words(k_codes), _as_words(v_codes)
+    use_asm = unpack == "asm" and dev.type == "cuda" and not _INTERPRET
     dt = tl.bfloat16 if dot_dtype == torch.bfloat16 else tl.float16
     out = torch.empty(b, hq, t, d, dtype=q.dtype, device=dev)
     f32 = lambda x: x.float().contiguous()  # noqa: E731
-    LAST_LAUNCH["attention"] = _attn_kernel[(b * h, m_blocks, ns)](
-        q, q.stride(0), q.stride(1), q.stride(2), pos, pos.stride(0), lens, lens.stride(0),
+    qq = torch.empty(b * h * m_total, d, dtype=dot_dtype, device=dev)
+    _query_kernel[(b * h, m_blocks)](q, q.stride(0), q.stride(1), q.stride(2), f32(query_transform), qq, m_total, scale * LOG2E,
+                                      H=h, G=g, D=d, BLOCK_M=block_m, KC=min(d, 64))
+    args = (
+        qq, pos, pos.stride(0), lens, lens.stride(0),
         c0, c_end, kch, vch, kch.stride(0), kch.stride(1), kch.stride(2),
-        k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table, block_table.stride(0),
-        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_meta.stride(0), k_meta.stride(1), k_meta.stride(2),
+        kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring, block_table, block_table.stride(0),
+        kw.stride(0), kw.stride(1), kw.stride(2), k_meta.stride(0), k_meta.stride(1), k_meta.stride(2),
         k_sink.stride(0), k_sink.stride(1), k_sink.stride(2), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
-        f32(query_transform), mask, smk[0], smk[1], smk[2], smk[3], mask_len,
-        part_m, part_l, part_o, t, m_total, scale * LOG2E, keys_per_split, geo.num_sinks, geo.window,
-        H=h, G=g, D=d, NG=geo.num_groups, PS=geo.page_size, NSPLIT=nsplit, HAS_RING=geo.window > 0, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind,
-        HAS_CHUNK=has_chunk, DT=dt, KC=min(d, 64), ALIGNED=_aligned16(k_codes) and _aligned16(v_codes),
-        ABLATE=ablate, num_warps=num_warps, num_stages=num_stages,
+        mask, smk[0], smk[1], smk[2], smk[3], mask_len,
+        part_m, part_l, part_o, t, m_total, keys_per_split, bf16_per_split, geo.num_sinks, geo.window, nsplit, ns,
     )
+    meta = dict(H=h, G=g, D=d, NG=geo.num_groups, PS=geo.page_size, HAS_RING=geo.window > 0, BLOCK_M=block_m,
+                BLOCK_N=block_n, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_CHUNK=has_chunk, DT=dt,
+                KC=min(d, 64), ALIGNED=_aligned16(k_codes, v_codes, k_sink, v_sink, k_ring, v_ring, kch, vch), ABLATE=ablate, USE_ASM=use_asm,
+                num_warps=num_warps, num_stages=num_stages)
+    LAST_LAUNCH["attention"] = _attn_kernel[(b * h, m_blocks, nsplit)](*args, REGION=0, **meta)
+    LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, m_blocks, nb)](*args, REGION=1, **meta)
     merge_m = 16
     LAST_LAUNCH["merge"] = _merge_kernel[(b * h, triton.cdiv(m_total, merge_m))](
         part_m, part_l, part_o, f32(output_transform), f32(value_mean), out, out.stride(0), out.stride(1),
-        out.stride(2), pos, pos.stride(0), m_total, H=h, G=g, D=d, NS=ns, NS_P2=triton.next_power_of_2(ns),
+        out.stride(2), pos, pos.stride(0), m_total, ns, H=h, G=g, D=d,
         BLOCK_M=merge_m, KC=min(d, 32),
     )
     return out

@@ -77,7 +77,7 @@ def _assert_same_cache(ref: PagedInt2KVCache, got: PagedInt2KVCache):
 
 
 def _run_case(h, gqa, d, lengths, s, w, ps, decode_steps, group=None, clip=1.0, kind="orthogonal", mask_kind=None,
-              dtype=torch.float32, seed=0):
+              dtype=torch.float32, seed=0, **kernel_options):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     batch, max_len = len(lengths), max(lengths) + decode_steps + 1
     ref, got = _twin_caches(h, d, batch, max_len, s, w, ps, group, dtype, kind, clip, seed)
@@ -100,7 +100,7 @@ def _run_case(h, gqa, d, lengths, s, w, ps, decode_steps, group=None, clip=1.0, 
         mask = mask.to(DEV)
     a = _attn_args(ref, q, pos, seq_lens, mask, mask is None, (ck_r, cv_r, pos))
     out_r = attention_reference(*a)
-    out_g = attention_triton(*a)
+    out_g = attention_triton(*a, **kernel_options)
     assert rel_error(out_g, out_r) < ATTN_TOL
     lens = list(lengths)
     for _ in range(decode_steps):
@@ -110,7 +110,7 @@ def _run_case(h, gqa, d, lengths, s, w, ps, decode_steps, group=None, clip=1.0, 
         store_triton(*_store_args(got, k1, v1, p1))
         q1 = torch.randn(batch, h * gqa, 1, d, generator=gen).to(DEV, dtype)
         a = _attn_args(ref, q1, p1, p1[:, 0] + 1)
-        assert rel_error(attention_triton(*a), attention_reference(*a)) < ATTN_TOL
+        assert rel_error(attention_triton(*a, **kernel_options), attention_reference(*a)) < ATTN_TOL
         lens = [n + 1 for n in lens]
     _assert_same_cache(ref, got)
 
@@ -123,6 +123,12 @@ def test_store_and_attention_match_reference_small():
 def test_groups_masks_and_no_bf16_tokens_small():
     _run_case(h=1, gqa=2, d=64, lengths=(13,), s=0, w=0, ps=4, decode_steps=1, group=16, mask_kind="bool", seed=1)
     _run_case(h=1, gqa=1, d=64, lengths=(11,), s=1, w=3, ps=4, decode_steps=0, mask_kind="additive", seed=2)
+
+
+def test_many_key_blocks_and_splits_small():
+    # small key blocks so the page loop runs many iterations (its hand-pipelined prefetch included),
+    # split boundaries inside pages, and a padded row whose page region is empty
+    _run_case(h=2, gqa=2, d=64, lengths=(83, 47, 5), s=3, w=5, ps=8, decode_steps=1, seed=3, block_n=16, splits=3)
 
 
 @pytest.mark.gpu

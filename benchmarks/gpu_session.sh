@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the decode-attention benchmark; results land in $OUT (or /tmp/oscar-gpu).
+# Usage: bash benchmarks/gpu_session.sh [tests|bench|e2e|fuzz]...   (default: tests bench)
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/oscar-gpu}
+mkdir -p "$OUT"
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
+for step in "${@:-tests bench}"; do for s in $step; do
+  echo "=== $s ($(date +%T))"
+  case $s in
+    tests) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/passes --ignore=tests/passes/test_explain.py -k "not fuzz" 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    fuzz) timeout 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/kernels -k fuzz 2>&1 | tail -8 ;;
+    bench) timeout 300 python3 benchmarks/bench_decode.py --sweep --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^    " ;;
+    e2e) timeout 420 python3 benchmarks/e2e_gpu.py --out "$OUT/e2e_h200.json" 2>&1 | grep -v Warning ;;
+  esac
+done; done
+echo "=== done ($(date +%T))"
