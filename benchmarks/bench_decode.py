@@ -119,12 +119,18 @@ def bench_shape(b, length, device, sweep: bool, ablations: bool = False):
             tr.value_mean, None, False, D**-0.5)
     configs = [{}]
     if sweep:
-        configs += [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2)]
-        configs += [dict(splits=s) for s in (2, 4, 8, 16, 32, 64)]
+        configs += [dict(block_n=bn, num_warps=w, num_stages=1) for bn in (32, 64, 128) for w in (2, 4, 8)]
+        configs += [dict(num_stages=2), dict(splits=0.5), dict(splits=2.0), dict(splits=4.0)]
         configs += [dict(unpack="ops")]  # shifts, masks and int->float conversions instead of the PTX unpacking
     if sweep or ablations:
         configs += [dict(ablate=a) for a in (1, 2, 4)]  # drop values / key dot / all but loads
     timings = []
+    from oscar_compile.kernels import triton_attention
+
+    attention_triton(*args)
+    base_splits = triton_attention.LAST_LAUNCH["splits"]
+    configs = [dict(cfg, splits=max(1, round(cfg["splits"] * base_splits))) if isinstance(cfg.get("splits"), float)
+               else cfg for cfg in configs]
     for cfg in configs:
         try:
             attention_triton(*args, **cfg)
@@ -140,11 +146,11 @@ def bench_shape(b, length, device, sweep: bool, ablations: bool = False):
     attention_triton(*args)
     kstats = {name: {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
                      "shared": getattr(getattr(k, "metadata", None), "shared", None)}
-              for name, k in triton_attention.LAST_LAUNCH.items()}
+              for name, k in triton_attention.LAST_LAUNCH.items() if name != "splits"}
     nb_int2, nb_bf16 = int2_bytes(b, length), bf16_bytes(b, length)
     return {
         "batch": b, "context": length, "bf16_sdpa_us": t_sdpa, "int2_us": t_int2, "int2_eager_us": t_eager, "int2_best_us": t_best,
-        "int2_best_config": best_cfg, "bf16_bytes": nb_bf16, "int2_bytes": nb_int2,
+        "int2_best_config": best_cfg, "default_splits": base_splits, "bf16_bytes": nb_bf16, "int2_bytes": nb_int2,
         "bf16_tbps": nb_bf16 / t_sdpa / 1e6, "int2_tbps": nb_int2 / t_int2 / 1e6,
         "int2_roofline_fraction": (nb_int2 / (COPY_TBPS * 1e12)) / (t_int2 * 1e-6),
         "bf16_roofline_fraction": (nb_bf16 / (COPY_TBPS * 1e12)) / (t_sdpa * 1e-6),

@@ -8,10 +8,10 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 for step in "${@:-tests bench}"; do for s in $step; do
   echo "=== $s ($(date +%T))"
   case $s in
-    tests) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/passes --ignore=tests/passes/test_explain.py -k "not fuzz" 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests) timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/passes --ignore=tests/passes/test_explain.py -k "not fuzz" 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     fuzz) timeout 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/kernels -k fuzz 2>&1 | tail -8 ;;
-    bench) timeout 300 python3 benchmarks/bench_decode.py --sweep --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^    " ;;
-    e2e) timeout 420 python3 benchmarks/e2e_gpu.py --out "$OUT/e2e_h200.json" 2>&1 | grep -v Warning ;;
+    bench) timeout 210 python3 benchmarks/bench_decode.py --sweep --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^    " ;;
+    e2e) timeout 200 python3 benchmarks/e2e_gpu.py --models "${E2E_MODELS:-smollm2,llama3-8b}" --out "$OUT/e2e_h200.json" 2>&1 | tee "$OUT/e2e.log" | grep -v Warning ;;
   esac
 done; done
 echo "=== done ($(date +%T))"

@@ -330,9 +330,9 @@ def _attn_kernel(
             j = j0 + nblk
             key_ok = j < hi
             if ABLATE == 4:  # loads only: no unpacking, no dots
-                s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum(kw, 1).to(tl.float32)[None, :]
+                s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum((kw & 1).to(tl.float32), 1)[None, :]
             elif ABLATE == 2:
-                s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum(kw, 1).to(tl.float32)[None, :]
+                s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum((kw & 1).to(tl.float32), 1)[None, :]
             else:
                 s = _dequant_dot_keys(qq, qsum, kw, km, BLOCK_N, D, NG, DT, USE_ASM)
             s = _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
@@ -340,7 +340,7 @@ def _attn_kernel(
             p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
             acc = acc * alpha[:, None]
             if ABLATE == 4:
-                acc += (tl.sum(tl.sum(vw, 1), 0).to(tl.float32) + tl.sum(tl.sum(vm, 1), 0).to(tl.float32)
+                acc += (tl.sum(tl.sum((vw & 1).to(tl.float32), 1), 0) + tl.sum(tl.sum(vm, 1), 0).to(tl.float32)
                         + tl.sum(tl.sum(km, 1), 0).to(tl.float32)) * 0.0
             elif ABLATE != 1:
                 acc = _dequant_dot_values(p, vw, vm, acc, BLOCK_N, D, NG, DT, USE_ASM)
@@ -489,6 +489,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     block_n = block_n or (64 if d > 128 else 128)
     page_keys = geo.max_pages * geo.page_size
     nsplit = splits or num_splits(b, h, m_blocks, page_keys, block_n, dev)
+    LAST_LAUNCH["splits"] = nsplit
     keys_per_split = triton.cdiv(triton.cdiv(page_keys, nsplit), block_n) * block_n
     # The BF16 keys (sinks, ring, chunk: at most S + W + t) get splits of their own, each about as many
     # bytes as a page split (a BF16 key is ~7x an INT2 one), so at short contexts they are not the tail.
