@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 
 def _memory(args) -> int:
@@ -59,13 +61,21 @@ def _eval(args) -> int:
                      retrieval_depths=tuple(float(x) for x in args.retrieval_depths.split(",") if x),
                      retrieval_tasks=tuple(x for x in args.retrieval_tasks.split(",") if x),
                      num_sinks=args.sinks, window=args.window)
-    report = run_eval(model, tok, methods, load_text("wikipedia"), load_text("paul-graham"), cfg)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial = out_dir / f"{args.name or args.model}.partial.json"
+
+    def checkpoint(rep):  # an interrupted run keeps what it measured
+        partial.write_text(json.dumps(dict(rep, model=args.model), indent=1))
+
+    report = run_eval(model, tok, methods, load_text("wikipedia"), load_text("paul-graham"), cfg, checkpoint=checkpoint)
     report["model"] = args.model
     report["weights"] = "4-bit GGUF, dequantized to fp32 (the packaged model)"
     report["calibration"] = {"text": "debian-handbook", "tokens": args.calib_tokens}
     report["clip_ratios"] = {n: a.clip_ratios for n, a in artifacts.items()}
     print(format_report(report))
     js, png = save_report(report, args.out, args.name or args.model)
+    partial.unlink(missing_ok=True)
     print(f"wrote {js} and {png}")
     return 0
 

@@ -188,8 +188,11 @@ class EvalConfig:
 
 
 def run_eval(model, tok, methods: list[Method], eval_text: str, haystack_text: str, cfg: EvalConfig,
-             progress: bool = True, log=print) -> dict:
-    """Every method on the same tokens; returns a JSON-able report."""
+             progress: bool = True, log=print, checkpoint=None) -> dict:
+    """Every method on the same tokens; returns a JSON-able report.
+
+    ``checkpoint(partial_report)``, when given, is called after every method's block, so a long run
+    that is interrupted keeps what it measured."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
@@ -214,6 +217,8 @@ def run_eval(model, tok, methods: list[Method], eval_text: str, haystack_text: s
             row = {"metric": "ppl", "method": m.name, "context": context, "ppl": math.exp(nll / n), "nll": nll / n,
                    "tokens": n, "bits_per_element": bits_per_element(model.config, m, length, cfg.num_sinks, cfg.window)}
             rows.append(row)
+            if checkpoint:
+                checkpoint(_report(cfg, methods, rows, retrieval, t0, partial=True))
             log(f"ppl  context {context:>6}  {m.name:<20} {row['ppl']:10.3f}   ({row['bits_per_element']:.2f} bits/element)")
     rng = random.Random(cfg.seed)
     prompts = [make_retrieval_prompt(tok, haystack_text, task, length, depth, rng)
@@ -233,9 +238,19 @@ def run_eval(model, tok, methods: list[Method], eval_text: str, haystack_text: s
         acc = [r["correct"] for r in retrieval if r["method"] == m.name]
         if acc:
             log(f"retrieval  {m.name:<20} {sum(acc)}/{len(acc)} correct")
-    return {"config": asdict(cfg), "methods": [{"name": m.name, "kind": m.kind,
-                                                "artifact_method": getattr(m.artifacts, "method", None)} for m in methods],
-            "perplexity": rows, "retrieval": retrieval, "seconds": round(time.perf_counter() - t0, 1)}
+        if checkpoint:
+            checkpoint(_report(cfg, methods, rows, retrieval, t0, partial=True))
+    return _report(cfg, methods, rows, retrieval, t0)
+
+
+def _report(cfg, methods, rows, retrieval, t0, partial=False) -> dict:
+    report = {"config": asdict(cfg), "methods": [{"name": m.name, "kind": m.kind,
+                                                  "artifact_method": getattr(m.artifacts, "method", None)}
+                                                 for m in methods],
+              "perplexity": list(rows), "retrieval": list(retrieval), "seconds": round(time.perf_counter() - t0, 1)}
+    if partial:
+        report["partial"] = True
+    return report
 
 
 # ----------------------------------------------------------------------------- report

@@ -80,7 +80,7 @@ class _CharTokenizer:
         ids = [3 + (ord(c) % 90) for c in text]
 
         class Out:
-            input_ids = ids
+            input_ids = torch.tensor([ids]) if return_tensors == "pt" else ids
 
         return Out()
 
@@ -127,3 +127,19 @@ def test_bits_and_report(tmp_path):
     plot_report(report, tmp_path / "r.png")
     assert (tmp_path / "r.png").stat().st_size > 1000
     assert EvalConfig().num_sinks == 64
+
+
+def test_run_eval_checkpoints_after_every_method():
+    from oscar_compile.evaluation import run_eval
+
+    model = tiny_model("llama")
+    tok = _CharTokenizer()
+    text = "".join(random.Random(1).choice("abcdefgh ") for _ in range(2000))
+    cfg = EvalConfig(ppl_contexts=(24,), ppl_decode=4, ppl_sequences=1, retrieval_lengths=(300,),
+                     retrieval_depths=(0.5,), retrieval_tasks=("passkey",), num_sinks=2, window=4)
+    methods = [Method("bf16", "bf16"), Method("hadamard", "oscar", None, {"rotation": "hadamard"})]
+    seen = []
+    report = run_eval(model, tok, methods, text, text, cfg, progress=False, log=lambda *a: None,
+                      checkpoint=lambda rep: seen.append((len(rep["perplexity"]), len(rep["retrieval"]), rep["partial"])))
+    assert seen == [(1, 0, True), (2, 0, True), (2, 1, True), (2, 2, True)]
+    assert "partial" not in report and [r["method"] for r in report["perplexity"]] == ["bf16", "hadamard"]
