@@ -72,6 +72,16 @@ class OscarCache(StaticCache):
             layers.append(layer)
         self.layers = layers
 
+    # transformers 5.17 derives max_batch_size from the layers (a read-only property); newer releases
+    # store it. Ours is the batch the stubs were made for, in both.
+    @property
+    def max_batch_size(self):
+        return getattr(self, "_oscar_max_batch_size", None)
+
+    @max_batch_size.setter
+    def max_batch_size(self, value):
+        self._oscar_max_batch_size = value
+
     def __repr__(self) -> str:
         l0 = self.layers[0]
         return (f"OscarCache(layers={len(self.layers)}, batch={self.max_batch_size}, kv_heads={l0.num_heads}, "

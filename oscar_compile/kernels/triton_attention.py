@@ -431,6 +431,7 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, 
     tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+DEFAULT_UNPACK = "asm"  # "asm": PTX magic-number unpacking; "ops": shifts, masks and conversions
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no PTX: plain shifts instead
 
 
@@ -469,7 +470,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      block_table, query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
                      k_chunk=None, v_chunk=None, chunk_positions=None, block_n: int | None = None,
                      splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                     dot_dtype: torch.dtype = torch.float16, ablate: int = 0, unpack: str = "asm"):
+                     dot_dtype: torch.dtype = torch.float16, ablate: int = 0, unpack: str | None = None):
     """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
 
     The chunk, when given, must be the row's newest tokens (what ``store`` just returned).
@@ -522,6 +523,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     # Tensor-core operands: fp16 (codes 0..3 are exact, q' and P keep 11 bits; BF16 cache rows convert
     # exactly within fp16's range). bf16 keeps range for caches with |x| > 65504, at 8 bits.
     kw, vw = _as_words(k_codes), _as_words(v_codes)
+    unpack = unpack or os.environ.get("OSCAR_TRITON_UNPACK", DEFAULT_UNPACK)
     use_asm = unpack == "asm" and dev.type == "cuda" and not _INTERPRET
     dt = tl.bfloat16 if dot_dtype == torch.bfloat16 else tl.float16
     out = torch.empty(b, hq, t, d, dtype=q.dtype, device=dev)
