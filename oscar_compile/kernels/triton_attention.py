@@ -105,14 +105,15 @@ def _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page, j, hi, S, h, sc_p, sc
 # PTX for one packed word -> its 16 codes as 16-bit floats (code + OFFSET) without integer-to-float
 # conversions: pair j takes bits 2j..2j+1 into the low half and 16+2j.. into the high half, ORs in the
 # bits of OFFSET (1024 in fp16: 0x6400; 128 in bf16: 0x4300) and splits the word into two registers.
-def _unpack_asm(magic: int) -> str:
+def _unpack_asm(magic: int, sub: str) -> str:
+    # (bits | magic) - magic is the code, exactly: one shift, one lop3 and one packed subtract per pair
     body = "".join(f"shr.b32 t, $16, {2 * j};\nlop3.b32 t, t, 0x00030003, {magic:#010x}, 0xea;\n"
-                   f"mov.b32 {{${2 * j}, ${2 * j + 1}}}, t;\n" for j in range(8))
-    return "{\n.reg .b32 t;\n" + body + "}"
+                   f"{sub} t, t, m;\nmov.b32 {{${2 * j}, ${2 * j + 1}}}, t;\n" for j in range(8))
+    return "{\n.reg .b32 t, m;\n" + f"mov.b32 m, {magic:#010x};\n" + body + "}"
 
 
-_UNPACK_FP16_ASM = tl.constexpr(_unpack_asm(0x64006400))
-_UNPACK_BF16_ASM = tl.constexpr(_unpack_asm(0x43004300))
+_UNPACK_FP16_ASM = tl.constexpr(_unpack_asm(0x64006400, "sub.f16x2"))
+_UNPACK_BF16_ASM = tl.constexpr(_unpack_asm(0x43004300, "sub.rn.bf16x2"))
 _UNPACK_CONSTRAINTS = tl.constexpr(",".join(["=h"] * 16 + ["r"]))
 
 
@@ -169,13 +170,7 @@ def _unpack_words(words, BLOCK_N: tl.constexpr, D: tl.constexpr, DT: tl.constexp
 @triton.jit
 def _code_offset(DT: tl.constexpr, USE_ASM: tl.constexpr):
     """What :func:`_unpack_words` adds to every code (0, or 1024 / 128 with the PTX unpacking)."""
-    if USE_ASM:
-        if DT == tl.float16:
-            return 1024.0
-        else:
-            return 128.0
-    else:
-        return 0.0
+    return 0.0  # the PTX path subtracts the magic number itself (folding it lost ~3 bits on tensor cores)
 
 
 @triton.jit
@@ -431,7 +426,7 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, 
     tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-DEFAULT_UNPACK = "asm"  # "asm": PTX magic-number unpacking; "ops": shifts, masks and conversions
+DEFAULT_UNPACK = "ops"  # "asm": PTX magic-number unpacking; "ops": shifts, masks and conversions
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no PTX: plain shifts instead
 
 
