@@ -131,7 +131,10 @@ def _register_triton_kernels() -> bool:
                     key_transform, key_mean, value_transform, value_mean, key_clip, value_clip):
         args = (k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
                 key_transform, key_mean, value_transform, value_mean, key_clip, value_clip)
-        if triton_supported(k.shape[-1], k_meta.shape[-1] // 2):
+        # The Triton store is opt-in (OSCAR_TRITON_STORE=1): on the H200 its (scale, min) disagree with the
+        # reference for about a third of the rows in the bf16 full-shape tests (interpreter tests agree).
+        # Until that is found, CUDA stores through the reference, which is the oracle.
+        if os.environ.get("OSCAR_TRITON_STORE") == "1" and triton_supported(k.shape[-1], k_meta.shape[-1] // 2):
             return store_triton(*args)
         return store_reference(*args)
 

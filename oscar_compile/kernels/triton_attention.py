@@ -426,7 +426,7 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, 
     tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-DEFAULT_UNPACK = "ops"  # "asm": PTX magic-number unpacking; "ops": shifts, masks and conversions
+DEFAULT_UNPACK = "asm"  # "asm": PTX magic-number unpacking; "ops": shifts, masks and conversions
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no PTX: plain shifts instead
 
 
