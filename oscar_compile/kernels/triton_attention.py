@@ -10,19 +10,22 @@ BF16 keys (sinks, the ring and the new chunk), in ``NB`` splits of their own. A 
 states, un-rotates (``o' B_o + mu_v``) and writes the output.
 
 INT2 in registers, never in memory: the code pools are read as int32 words (``[BLOCK_N, d/16]``
-tiles, 16-byte vector loads) and expanded to ``[BLOCK_N, d]`` codes with shifts and masks (quartered
-packing puts channel ``i d/4 + c`` in byte ``c`` at bits ``2i``). The page loop is pipelined by hand:
-block ``i+1``'s codes and block ``i+2``'s block-table entries are in flight while block ``i`` is
-computed. With one (scale, min) per row (``g = d``) dequantization folds into the dot products, per
-key rather than per element::
+tiles, 16-byte vector loads) and expanded to ``[BLOCK_N, d]`` codes in registers (quartered
+packing puts channel ``i d/4 + c`` in byte ``c`` at bits ``2i``). On the GPU the expansion is PTX
+(shift, lop3 with the bits of 1024, packed subtract: no integer-to-float conversions) in an order
+that needs no shuffles; the page loop works in that channel order throughout. The page loop is
+pipelined by hand: block ``i+1``'s codes and block ``i+2``'s block-table entries are in flight
+while block ``i`` is computed. With one (scale, min) per row (``g = d``) dequantization folds into
+the dot products, per key rather than per element::
 
     q'.k_hat = scale * (q' . c) + min * sum(q')
     P V_hat  = (P * scale) @ c  + (P @ min)
 
-so the inner loop issues only shifts, masks, conversions and two ``tl.dot`` (fp16 tensor cores).
-Smaller groups dequantize per element. ``ablate`` switches off stages for measurements
-(1: values, 2: key dot, 4: everything but the loads). The query is rotated in-kernel (``q B_q``, one ``d x d`` dot
-per program) and the output un-rotated in the merge kernel.
+so the inner loop issues only the unpacking and two ``tl.dot`` (fp16 tensor cores). Smaller groups
+dequantize per element. Four launches: the query is rotated once per row (``q B_q``), the INT2
+pages and the BF16 keys run as two launches of the split kernel (registers of their own), and the
+merge kernel combines the splits and un-rotates the output. ``ablate`` switches off stages for
+measurements (1: values, 2: key dot, 4: everything but the loads).
 """
 
 from __future__ import annotations
@@ -66,7 +69,11 @@ def _page_of(bt_ptr, b, sbt_b, j, hi, S, PS: tl.constexpr):
 
 @triton.jit
 def _channel_of(u, D: tl.constexpr):
-    """True channel of unpacked position ``u`` (see :func:`unpacked_channel_order`)."""
+    """True channel of unpacked position ``16 w + i`` (bit pair ``i`` of word ``w``, see :func:`_unpack_words`).
+
+    Pair ``j = i // 2`` of a word holds bits ``2j`` (even ``i``) and ``16 + 2j`` (odd ``i``): byte
+    ``j // 4 + 2 (i % 2)`` of the word, quarter ``j % 4``.
+    """
     w = u // 16
     i = u % 16
     j = i // 2
@@ -102,11 +109,12 @@ def _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page, j, hi, S, h, sc_p, sc
     return kw, km, vw, vm
 
 
-# PTX for one packed word -> its 16 codes as 16-bit floats (code + OFFSET) without integer-to-float
-# conversions: pair j takes bits 2j..2j+1 into the low half and 16+2j.. into the high half, ORs in the
-# bits of OFFSET (1024 in fp16: 0x6400; 128 in bf16: 0x4300) and splits the word into two registers.
+# PTX for one packed word -> its 16 codes as 16-bit floats without integer-to-float conversions: pair j
+# takes bits 2j..2j+1 into the low half and 16+2j.. into the high half, ORs in the bits of a magic number
+# M (1024 in fp16: 0x6400; 128 in bf16: 0x4300, where M + code is exact), subtracts M (packed) and splits
+# the word into two registers. Subtracting here rather than folding -M * scale into the minimum: the
+# folded form lost ~3 bits in the tensor-core accumulation (rel. error 6.8e-3 vs 1.3e-3 on the H200).
 def _unpack_asm(magic: int, sub: str) -> str:
-    # (bits | magic) - magic is the code, exactly: one shift, one lop3 and one packed subtract per pair
     body = "".join(f"shr.b32 t, $16, {2 * j};\nlop3.b32 t, t, 0x00030003, {magic:#010x}, 0xea;\n"
                    f"{sub} t, t, m;\nmov.b32 {{${2 * j}, ${2 * j + 1}}}, t;\n" for j in range(8))
     return "{\n.reg .b32 t, m;\n" + f"mov.b32 m, {magic:#010x};\n" + body + "}"
@@ -117,26 +125,11 @@ _UNPACK_BF16_ASM = tl.constexpr(_unpack_asm(0x43004300, "sub.rn.bf16x2"))
 _UNPACK_CONSTRAINTS = tl.constexpr(",".join(["=h"] * 16 + ["r"]))
 
 
-def unpacked_channel_order(d: int) -> list[int]:
-    """Channel held at each position of the kernel's unpacked tiles (``16 w + i`` for bit pair ``i`` of
-    word ``w``). The page loop works in this order throughout (it gathers the query's channels in it
-    and scatters its partial output back), so unpacking needs no shuffles. Host-side twin of
-    :func:`_channel_of`."""
-    order = []
-    for u in range(d):
-        w, i = divmod(u, 16)
-        j = i // 2
-        order.append((j % 4) * (d // 4) + 4 * w + j // 4 + 2 * (i % 2))
-    return order
-
-
 @triton.jit
 def _unpack_words(words, BLOCK_N: tl.constexpr, D: tl.constexpr, DT: tl.constexpr, USE_ASM: tl.constexpr):
-    """Packed int32 words ``[BLOCK_N, D/16]`` -> ``code + OFFSET`` as ``DT`` ``[BLOCK_N, D]``, in the
-    unpacked order (position ``16 w + i`` of word ``w``; :func:`unpacked_channel_order` maps it to its
-    channel). With the PTX unpacking OFFSET is 1024 for fp16 (128 for bf16): ``OFFSET + code`` is
-    exact there, and the offset folds into the per-key minimum, so no element needs a subtraction.
-    The plain path (the interpreter: its fp16 dots accumulate in fp16) returns the codes, OFFSET 0."""
+    """Packed int32 words ``[BLOCK_N, D/16]`` -> codes as ``DT`` ``[BLOCK_N, D]`` in the unpacked order
+    (position ``16 w + i``, channel :func:`_channel_of`). ``USE_ASM``: PTX, else shifts, masks and
+    conversions (the interpreter runs no PTX). Both give the exact codes 0..3."""
     if USE_ASM:
         if DT == tl.float16:
             o = tl.inline_asm_elementwise(_UNPACK_FP16_ASM, _UNPACK_CONSTRAINTS, [words], dtype=(tl.float16,) * 16,
@@ -168,12 +161,6 @@ def _unpack_words(words, BLOCK_N: tl.constexpr, D: tl.constexpr, DT: tl.constexp
 
 
 @triton.jit
-def _code_offset(DT: tl.constexpr, USE_ASM: tl.constexpr):
-    """What :func:`_unpack_words` adds to every code (0, or 1024 / 128 with the PTX unpacking)."""
-    return 0.0  # the PTX path subtracts the magic number itself (folding it lost ~3 bits on tensor cores)
-
-
-@triton.jit
 def _meta(meta):
     """(scale, min) in fp32: ``[BLOCK_N]`` each for one group a row, else ``[BLOCK_N, D]``."""
     sc, mn = tl.split(meta)
@@ -188,9 +175,9 @@ def _dequant_dot_keys(qq, qsum, kw, km, BLOCK_N: tl.constexpr, D: tl.constexpr, 
     codes = _unpack_words(kw, BLOCK_N, D, DT, USE_ASM)
     if NG == 1:  # one (scale, min) per key: dequantize after the dot, per key
         s = tl.dot(qq, tl.trans(codes))
-        s = s * sc[None, :] + qsum[:, None] * (mn - _code_offset(DT, USE_ASM) * sc)[None, :]
+        s = s * sc[None, :] + qsum[:, None] * mn[None, :]
     else:
-        x = (codes.to(tl.float32) - _code_offset(DT, USE_ASM)) * sc + mn
+        x = codes.to(tl.float32) * sc + mn
         s = tl.dot(qq, tl.trans(x.to(DT)))
     return s
 
@@ -202,12 +189,10 @@ def _dequant_dot_values(p, vw, vm, acc, BLOCK_N: tl.constexpr, D: tl.constexpr, 
     sc, mn = _meta(vm)
     codes = _unpack_words(vw, BLOCK_N, D, DT, USE_ASM)
     if NG == 1:
-        ps = (p * sc[None, :]).to(DT)
-        acc = tl.dot(ps, codes, acc)
-        # the offset's share, from the same rounded weights the dot used (then it cancels exactly)
-        acc = acc + (tl.sum(p * mn[None, :], 1) - _code_offset(DT, USE_ASM) * tl.sum(ps.to(tl.float32), 1))[:, None]
+        acc = tl.dot((p * sc[None, :]).to(DT), codes, acc)
+        acc = acc + tl.sum(p * mn[None, :], 1)[:, None]
     else:
-        x = (codes.to(tl.float32) - _code_offset(DT, USE_ASM)) * sc + mn
+        x = codes.to(tl.float32) * sc + mn
         acc = tl.dot(p.to(DT), x.to(DT), acc)
     return acc
 
@@ -306,7 +291,7 @@ def _attn_kernel(
         # query's channels in that order and writes its partial output back to channel order at the end.
         uperm = _channel_of(dcol, D)
         qq = tl.load(qrow + uperm[None, :], mask=row_ok[:, None], other=0.0)
-        qsum = tl.sum(qq.to(tl.float32), 1)  # of the rounded query: cancels the unpacking offset exactly
+        qsum = tl.sum(qq.to(tl.float32), 1)
         # ---------------- INT2 pages: keys [lo, hi) of the page region.
         # Software pipelined by hand: while block i is computed, block i+1's codes and metadata are
         # in flight, and so is block i+2's block-table entry (loads issue without waiting; only a use
@@ -324,9 +309,7 @@ def _attn_kernel(
             page_n = _page_of(bt_ptr, b, sbt_b, j0 + 2 * BLOCK_N + nblk, hi, S, PS)
             j = j0 + nblk
             key_ok = j < hi
-            if ABLATE == 4:  # loads only: no unpacking, no dots
-                s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum((kw & 1).to(tl.float32), 1)[None, :]
-            elif ABLATE == 2:
+            if ABLATE == 2 or ABLATE == 4:  # no key unpacking and dot (4: nothing but the loads)
                 s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum((kw & 1).to(tl.float32), 1)[None, :]
             else:
                 s = _dequant_dot_keys(qq, qsum, kw, km, BLOCK_N, D, NG, DT, USE_ASM)
@@ -426,7 +409,8 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, 
     tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-DEFAULT_UNPACK = "asm"  # "asm": PTX magic-number unpacking; "ops": shifts, masks and conversions
+# "asm": PTX magic-number unpacking; "ops": shifts, masks and conversions. Read once, not per call.
+DEFAULT_UNPACK = os.environ.get("OSCAR_TRITON_UNPACK", "asm")
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs no PTX: plain shifts instead
 
 
@@ -518,8 +502,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     # Tensor-core operands: fp16 (codes 0..3 are exact, q' and P keep 11 bits; BF16 cache rows convert
     # exactly within fp16's range). bf16 keeps range for caches with |x| > 65504, at 8 bits.
     kw, vw = _as_words(k_codes), _as_words(v_codes)
-    unpack = unpack or os.environ.get("OSCAR_TRITON_UNPACK", DEFAULT_UNPACK)
-    use_asm = unpack == "asm" and dev.type == "cuda" and not _INTERPRET
+    use_asm = (unpack or DEFAULT_UNPACK) == "asm" and dev.type == "cuda" and not _INTERPRET
     dt = tl.bfloat16 if dot_dtype == torch.bfloat16 else tl.float16
     out = torch.empty(b, hq, t, d, dtype=q.dtype, device=dev)
     f32 = lambda x: x.float().contiguous()  # noqa: E731
