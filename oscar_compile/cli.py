@@ -34,19 +34,15 @@ def _demo(args) -> int:
 def _eval(args) -> int:
 
     from .assets import load_model, load_text
-    from .calibration import collect_statistics, derive_artifacts, token_batches
+    from .demo import cached_artifacts_for
     from .evaluation import EvalConfig, Method, format_report, run_eval, save_report
 
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     model, tok = load_model(args.model)
     names = args.methods.split(",")
     needs_stats = [n for n in names if n not in ("bf16", "kivi")]
-    artifacts = {}
-    if needs_stats:
-        ids = tok(load_text("debian-handbook"), return_tensors="pt").input_ids[0]
-        batches = token_batches(ids, 512, args.calib_batch, max_tokens=args.calib_tokens + 512 * args.calib_batch)
-        stats = collect_statistics(model, batches, data_description="debian-handbook")
-        artifacts = {n: derive_artifacts(stats, n) for n in needs_stats}
+    # cached per (model, method, tokens) like the demo's: a second eval run does not recalibrate
+    artifacts, _ = cached_artifacts_for(model, tok, args.model, needs_stats, args.calib_tokens) if needs_stats else ({}, set())
     methods = []
     for n in names:
         if n == "bf16":
@@ -71,7 +67,7 @@ def _eval(args) -> int:
     report = run_eval(model, tok, methods, load_text("wikipedia"), load_text("paul-graham"), cfg, checkpoint=checkpoint)
     report["model"] = args.model
     report["weights"] = "4-bit GGUF, dequantized to fp32 (the packaged model)"
-    report["calibration"] = {"text": "debian-handbook", "tokens": args.calib_tokens}
+    report["calibration"] = next((a.calibration for a in artifacts.values()), {"tokens": args.calib_tokens})
     report["clip_ratios"] = {n: a.clip_ratios for n, a in artifacts.items()}
     print(format_report(report))
     js, png = save_report(report, args.out, args.name or args.model)
@@ -214,7 +210,6 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--model", default="smollm2-135m")
     ev.add_argument("--methods", default="bf16,kivi,identity,hadamard,oscar,default")
     ev.add_argument("--calib-tokens", type=int, default=32768)
-    ev.add_argument("--calib-batch", type=int, default=4)
     ev.add_argument("--ppl-contexts", default="512,2048")
     ev.add_argument("--ppl-decode", type=int, default=64)
     ev.add_argument("--ppl-sequences", type=int, default=4)

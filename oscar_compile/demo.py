@@ -32,28 +32,43 @@ def calibration_text_name() -> str:
     return "paul-graham"
 
 
-def cached_artifacts(model, tok, model_name: str, method: str, tokens: int, progress: bool = True):
-    """Artifacts for ``model`` calibrated on the Debian handbook, cached under the user cache dir."""
+def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens: int, progress: bool = True):
+    """Artifacts of each method for ``model``, calibrated on the handbook (see :func:`calibration_text_name`)
+    and cached under the user cache dir. The statistics are collected once, for the methods not cached.
+
+    Returns ``({method: Artifacts}, {methods loaded from the cache})``.
+    """
     from .assets import cache_dir, load_text
     from .calibration import ArtifactError, collect_statistics, derive_artifacts, load_artifacts, parse_method, token_batches
 
-    name = parse_method(method).name
-    path = cache_dir() / "artifacts" / f"{model_name}-{name}-{tokens}"
-    if (path / "oscar.json").exists():
-        try:
-            art = load_artifacts(path)
-            art.validate(model)
-            return art, True
-        except ArtifactError as e:
-            print(f"oscar: cached artifacts at {path} unusable ({e}); recalibrating")
-    text_name = calibration_text_name()
-    tok_ids = tok(load_text(text_name), return_tensors="pt").input_ids[0]
-    seq, bs = 512, 4
-    batches = token_batches(tok_ids, seq, bs, max_tokens=tokens + seq * bs)
-    stats = collect_statistics(model, batches, data_description=text_name, progress=progress)
-    art = derive_artifacts(stats, method)
-    art.save(path)
-    return art, False
+    found, cached = {}, set()
+    for method in dict.fromkeys(methods):
+        path = cache_dir() / "artifacts" / f"{model_name}-{parse_method(method).name}-{tokens}"
+        if (path / "oscar.json").exists():
+            try:
+                art = load_artifacts(path)
+                art.validate(model)
+                found[method] = art
+                cached.add(method)
+            except ArtifactError as e:
+                print(f"oscar: cached artifacts at {path} unusable ({e}); recalibrating")
+    missing = [m for m in dict.fromkeys(methods) if m not in found]
+    if missing:
+        text_name = calibration_text_name()
+        tok_ids = tok(load_text(text_name), return_tensors="pt").input_ids[0]
+        seq, bs = 512, 4
+        batches = token_batches(tok_ids, seq, bs, max_tokens=tokens + seq * bs)
+        stats = collect_statistics(model, batches, data_description=text_name, progress=progress)
+        for method in missing:
+            found[method] = derive_artifacts(stats, method)
+            found[method].save(cache_dir() / "artifacts" / f"{model_name}-{parse_method(method).name}-{tokens}")
+    return found, cached
+
+
+def cached_artifacts(model, tok, model_name: str, method: str, tokens: int, progress: bool = True):
+    """One method's artifacts (see :func:`cached_artifacts_for`) and whether they came from the cache."""
+    found, cached = cached_artifacts_for(model, tok, model_name, [method], tokens, progress)
+    return found[method], method in cached
 
 
 def run_demo(model_name: str = "smollm2-135m", method: str = "default", calib_tokens: int = 16384,

@@ -102,13 +102,12 @@ def perplexity_nll(session: Session, tokens: torch.Tensor, context: int, progres
     if length - context - 1 < 1:
         raise ValueError(f"oscar eval: {length} tokens leave nothing to score after a {context}-token context")
     session(tokens[:, :context])
-    nll, count = 0.0, 0
+    nll = torch.zeros((), dtype=torch.float64, device=tokens.device)  # summed on the device: no sync per step
     steps = range(context, length - 1)
     for p in (progress(steps) if progress else steps):
         logits = session(tokens[:, p : p + 1])
-        nll += torch.nn.functional.cross_entropy(logits, tokens[:, p + 1], reduction="sum").item()
-        count += b
-    return nll, count
+        nll += torch.nn.functional.cross_entropy(logits, tokens[:, p + 1], reduction="sum")
+    return nll.item(), b * len(steps)
 
 
 # ----------------------------------------------------------------------------- retrieval
