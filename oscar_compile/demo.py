@@ -133,10 +133,10 @@ def run_demo(model_name: str = "smollm2-135m", method: str = "default", calib_to
 
     print(f"\n== 4. KV memory (one sequence, all layers, sinks {num_sinks} + window {window} in BF16; the cache's own report)")
     from .cache import PagedInt2KVCache
+    from .hf import kv_geometry
 
-    cfg = model.config
-    cache = PagedInt2KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
-                             max_seq_len=1, num_sinks=num_sinks, window=window, device="meta")
+    cache = PagedInt2KVCache(model.config.num_hidden_layers, *kv_geometry(model), max_seq_len=1, num_sinks=num_sinks,
+                             window=window, device="meta")
     for ctx in (1024, 8192):
         print("   " + str(cache.memory_report(ctx)))
 

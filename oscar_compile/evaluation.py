@@ -27,6 +27,7 @@ import torch
 from .backend import oscar_backend
 from .baselines import KiviCache, kivi_bits_per_element
 from .cache import PagedInt2KVCache
+from .hf import kv_geometry
 
 
 # ----------------------------------------------------------------------------- methods and sessions
@@ -40,16 +41,10 @@ class Method:
     options: dict = field(default_factory=dict)
 
 
-def _head_dim(cfg) -> tuple[int, int]:
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    return heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
 def bits_per_element(model_config, method: Method, context: int, num_sinks: int, window: int,
                      cache_dtype=torch.bfloat16) -> float:
     """Effective bits per K/V element of one sequence of ``context`` tokens, metadata and BF16 tokens included."""
-    heads, d = _head_dim(model_config)
+    heads, d = kv_geometry(model_config)
     fp_bits = torch.finfo(cache_dtype).bits
     if method.kind == "bf16":
         return float(fp_bits)

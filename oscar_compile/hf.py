@@ -37,6 +37,13 @@ def _model_config(model_or_config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def kv_geometry(model_or_config) -> tuple[int, int]:
+    """(KV heads, head_dim) of a transformers model or config (``head_dim`` when the config sets it)."""
+    config = _model_config(model_or_config)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class OscarCache(StaticCache):
     """A transformers cache for models compiled with :func:`oscar_compile.oscar_backend`.
 
@@ -55,8 +62,7 @@ class OscarCache(StaticCache):
         model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
         dtype = dtype or (model.dtype if model is not None else torch.get_default_dtype())
         device = torch.device(device or (model.device if model is not None else "cpu"))
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        heads, head_dim = kv_geometry(config)
         self.max_batch_size = max_batch_size
         layers = []
         for _ in self.layers:

@@ -40,7 +40,7 @@ import triton.language as tl
 from .checks import check_attention
 
 LOG2E = 1.4426950408889634
-LAST_LAUNCH: dict = {}  # the compiled kernels of the latest call (register/spill reports in benchmarks)
+LAST_LAUNCH: dict = {}  # the latest call: its compiled kernels (register/spill reports) and "splits" (its split count)
 
 
 @triton.jit
