@@ -70,6 +70,48 @@ def bench_graph(fn, reps=60) -> float:
     return _graph_median_us(both, reps) - _graph_median_us(flush_only, reps)
 
 
+def kernel_breakdown(fn, n=20) -> dict:
+    """GPU time (us) of each kernel one call launches, from the profiler (L2 flushed before every call)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    buf = _FLUSH.setdefault("buf", torch.empty(512 * 2**20, dtype=torch.int8, device="cuda"))
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            buf.zero_()
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and "elementwise" not in e.name
+                      and "fill" not in e.name.lower()), key=lambda e: e.time_range.start)
+    out: dict = {}
+    seen: dict = {}
+    for e in kernels:  # the page and BF16 launches share a kernel name: label them by order within a call
+        name = {"_attn_kernel": "pages"}.get(e.name, e.name[:48])
+        if e.name == "_attn_kernel":
+            seen[e.name] = seen.get(e.name, 0) + 1
+            name = "pages" if seen[e.name] % 2 else "bf16_keys"
+        out[name] = out.get(name, 0.0) + e.time_range.elapsed_us() / n
+    return out
+
+
+def profile_both(q, b, length, device, int2_call) -> dict | None:
+    """Per-kernel times of BF16 SDPA (fresh K/V) and of the INT2 call; None if the profiler fails."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        k = torch.randn(b, HKV, length, D, device=device, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            sdpa = kernel_breakdown(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        del k, v
+        return {"bf16_sdpa": sdpa, "int2": kernel_breakdown(int2_call)}
+    except Exception as e:  # a diagnostic: never lose the timings to it
+        print(f"  profile failed: {type(e).__name__}: {e}")
+        return None
+
+
 def int2_cache(b, length, device, sinks=64, window=256, page=16):
     from oscar_compile import LayerTransforms, PagedInt2KVCache
     from oscar_compile.testing import random_orthogonal
@@ -100,7 +142,7 @@ def bf16_bytes(b, length):
     return 2 * b * HKV * length * D * 2 + 2 * b * HQ * D * 2
 
 
-def bench_shape(b, length, device, sweep: bool, ablations: bool = False):
+def bench_shape(b, length, device, sweep: bool, ablations: bool = False, profile: bool = False, extra=()):
     from oscar_compile.kernels.triton_attention import attention_triton
 
     q = torch.randn(b, HQ, 1, D, device=device, dtype=torch.bfloat16)
@@ -122,6 +164,7 @@ def bench_shape(b, length, device, sweep: bool, ablations: bool = False):
         configs += [dict(block_n=bn, num_warps=w, num_stages=1) for bn in (32, 64, 128) for w in (2, 4, 8)]
         configs += [dict(num_stages=2), dict(splits=0.5), dict(splits=2.0), dict(splits=4.0)]
         configs += [dict(unpack="ops")]  # shifts, masks and int->float conversions instead of the PTX unpacking
+    configs += list(extra)
     if sweep or ablations:
         configs += [dict(ablate=a) for a in (1, 2, 4)]  # drop values / key dot / all but loads
     timings = []
@@ -148,6 +191,7 @@ def bench_shape(b, length, device, sweep: bool, ablations: bool = False):
                      "shared": getattr(getattr(k, "metadata", None), "shared", None)}
               for name, k in triton_attention.LAST_LAUNCH.items() if name != "splits"}
     nb_int2, nb_bf16 = int2_bytes(b, length), bf16_bytes(b, length)
+    breakdown = profile_both(q, b, length, device, lambda: attention_triton(*args)) if profile else None
     return {
         "batch": b, "context": length, "bf16_sdpa_us": t_sdpa, "int2_us": t_int2, "int2_eager_us": t_eager, "int2_best_us": t_best,
         "int2_best_config": best_cfg, "default_splits": base_splits, "bf16_bytes": nb_bf16, "int2_bytes": nb_int2,
@@ -155,7 +199,8 @@ def bench_shape(b, length, device, sweep: bool, ablations: bool = False):
         "int2_roofline_fraction": (nb_int2 / (COPY_TBPS * 1e12)) / (t_int2 * 1e-6),
         "bf16_roofline_fraction": (nb_bf16 / (COPY_TBPS * 1e12)) / (t_sdpa * 1e-6),
         "speedup": t_sdpa / t_int2, "byte_ratio": nb_bf16 / nb_int2,
-        "sweep": [{"config": c, "us": t} for c, t in timings] if (sweep or ablations) else None, "kernels": kstats,
+        "sweep": [{"config": c, "us": t} for c, t in timings] if (sweep or ablations or extra) else None, "kernels": kstats,
+        "kernel_breakdown_us": breakdown,
     }
 
 
@@ -216,22 +261,28 @@ def main():
     ap.add_argument("--ablations", action="store_true", help="also time variants that drop one stage")
     ap.add_argument("--shapes", default=None, help="e.g. 1x4096,32x32768")
     ap.add_argument("--name", default="decode_attention_h200", help="file stem of the JSON and plot")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time from the profiler")
+    ap.add_argument("--configs", default=None, help="extra kernel configs to time, JSON list of dicts")
+    ap.add_argument("--no-store", action="store_true")
     args = ap.parse_args()
     device = torch.device("cuda")
     shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     rows = []
     t0 = time.time()
     for b, length in shapes:
-        r = bench_shape(b, length, device, args.sweep, args.ablations)
+        r = bench_shape(b, length, device, args.sweep, args.ablations, args.profile,
+                        json.loads(args.configs) if args.configs else ())
         rows.append(r)
         print(f"{b:>3} x {length:>6}: BF16 SDPA {r['bf16_sdpa_us']:8.1f} us ({r['bf16_tbps']:.2f} TB/s) | INT2 "
               f"{r['int2_us']:8.1f} us ({r['int2_tbps']:.2f} TB/s, {100 * r['int2_roofline_fraction']:.0f}% of roofline) "
               f"| speedup {r['speedup']:.2f}x (bytes {r['byte_ratio']:.2f}x) | best {r['int2_best_us']:.1f} us "
               f"{r['int2_best_config']} | eager {r['int2_eager_us']:.1f} us | regs/spills {r['kernels']}", flush=True)
+        if r["kernel_breakdown_us"]:
+            print("    per kernel (us):", {k: {n: round(t, 1) for n, t in v.items()} for k, v in r["kernel_breakdown_us"].items()})
         if r["sweep"]:
             print("   ", "; ".join(f"{c['config']}: {c['us']:.0f}" for c in r["sweep"]), flush=True)
         torch.cuda.empty_cache()
-    store = bench_store(device)
+    store = [] if args.no_store else bench_store(device)
     for s in store:
         print(f"store kernel, batch {s['batch']:>3}, one decode token per layer: {s['store_us']:.1f} us "
               f"(eager {s['store_eager_us']:.1f} us) "

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the decode-attention benchmark; results land in $OUT (or /tmp/oscar-gpu).
-# Usage: bash benchmarks/gpu_session.sh [tests|bench|e2e|fuzz]...   (default: tests bench)
+# Usage: bash benchmarks/gpu_session.sh [store|tests|bench|probe|e2e|fuzz]...   (default: tests bench)
+#   store: Triton store vs reference, per dtype/clip/path; probe: per-kernel profile + PROBE_CONFIGS (JSON list)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/oscar-gpu}
 mkdir -p "$OUT"
@@ -8,7 +9,10 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 for step in "${@:-tests bench}"; do for s in $step; do
   echo "=== $s ($(date +%T))"
   case $s in
-    tests) timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/passes --ignore=tests/passes/test_explain.py -k "not fuzz" 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    store) timeout 90 python3 benchmarks/check_store_gpu.py 2>&1 | tee "$OUT/store.log" ;;
+    probe) timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/bench_decode.py --profile --no-store --name decode_probe --out "$OUT" \
+             --configs "${PROBE_CONFIGS:-[]}" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | tee "$OUT/probe.log" ;;
+    tests) timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/passes --ignore=tests/passes/test_explain.py -k "not fuzz" 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     fuzz) timeout 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/kernels -k fuzz 2>&1 | tail -8 ;;
     bench) timeout 210 python3 benchmarks/bench_decode.py --sweep --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^    " ;;
     e2e) timeout 200 python3 benchmarks/e2e_gpu.py --models "${E2E_MODELS:-smollm2,llama3-8b}" --out "$OUT/e2e_h200.json" 2>&1 | tee "$OUT/e2e.log" | grep -v Warning ;;

@@ -449,7 +449,8 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      block_table, query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
                      k_chunk=None, v_chunk=None, chunk_positions=None, block_n: int | None = None,
                      splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                     dot_dtype: torch.dtype = torch.float16, ablate: int = 0, unpack: str | None = None):
+                     dot_dtype: torch.dtype = torch.float16, ablate: int = 0, unpack: str | None = None,
+                     maxnreg: int | None = None):
     """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
 
     The chunk, when given, must be the row's newest tokens (what ``store`` just returned).
@@ -522,7 +523,8 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                 BLOCK_N=block_n, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_CHUNK=has_chunk, DT=dt,
                 KC=min(d, 64), ALIGNED=_aligned16(k_codes, v_codes, k_sink, v_sink, k_ring, v_ring, kch, vch), ABLATE=ablate, USE_ASM=use_asm,
                 num_warps=num_warps, num_stages=num_stages)
-    LAST_LAUNCH["attention"] = _attn_kernel[(b * h, m_blocks, nsplit)](*args, REGION=0, **meta)
+    page_opts = {"maxnreg": maxnreg} if maxnreg else {}  # a register cap trades spills for CTAs per SM
+    LAST_LAUNCH["attention"] = _attn_kernel[(b * h, m_blocks, nsplit)](*args, REGION=0, **meta, **page_opts)
     LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, m_blocks, nb)](*args, REGION=1, **meta)
     merge_m = 16
     LAST_LAUNCH["merge"] = _merge_kernel[(b * h, triton.cdiv(m_total, merge_m))](

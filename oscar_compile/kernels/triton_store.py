@@ -12,7 +12,7 @@ One program handles ``BLOCK_T`` tokens of one sequence row and one KV head, keys
    ``first``) into its page; otherwise (evicted within the chunk) -> its page directly.
    Each ring slot has exactly one such writer per launch, so eviction reads never race a write.
 3. Quantize: clip each row at the ``clip`` quantile of ``|y|`` (the few largest values by repeated
-   maxima; no sort), ``scale = (max - min) / 3``
+   maxima and tie counts; no sort), ``scale = (max - min) / 3``
    and ``min`` per group rounded to the metadata dtype, ``code = floor((y - min) / scale + 0.5)``,
    four codes a byte, quartered (``tl.reshape`` to ``[BLOCK_T, 4, d/4]``, shift, sum).
 
@@ -42,18 +42,23 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
     if tl.sum(keep.to(tl.int32), 0) > 0:  # most decode steps quantize nothing (the token goes to the ring)
         if HAS_CLIP:
             # The clip quantile interpolates between the sorted |y| at clip_lo and clip_lo + 1. Both are
-            # among the few largest values, so take maxima one at a time instead of sorting the row.
+            # among the few largest values, so walk the distinct values from the top instead of sorting:
+            # each step takes the row's maximum and how many entries equal it (ties count once per entry,
+            # as in a sort), so rank n of the descending order is found without argmax.
             rem = tl.abs(y)
-            col = tl.arange(0, D)[None, :]
-            top = tl.max(rem, axis=1)
-            above = top
-            n_top = D - 1 - clip_lo
-            for _ in range(n_top):
-                idx = tl.argmax(rem, axis=1)
-                rem = tl.where(col == idx[:, None], -1.0, rem)
-                above = top
-                top = tl.max(rem, axis=1)
-            # top = sorted[clip_lo], above = sorted[clip_lo + 1] (equal when clip_lo is the last index)
+            n_top = D - 1 - clip_lo  # descending rank of sorted[clip_lo]; >= 1 since clip < 1
+            seen = tl.zeros([BLOCK_T], tl.int32)
+            top = tl.zeros([BLOCK_T], tl.float32)
+            above = tl.zeros([BLOCK_T], tl.float32)
+            for _ in range(n_top + 1):
+                v = tl.max(rem, axis=1)
+                hit = rem == v[:, None]
+                cnt = tl.sum(hit.to(tl.int32), axis=1)
+                top = tl.where((seen <= n_top) & (n_top < seen + cnt), v, top)
+                above = tl.where((seen <= n_top - 1) & (n_top - 1 < seen + cnt), v, above)
+                rem = tl.where(hit, -1.0, rem)
+                seen += cnt
+            # top = sorted[clip_lo], above = sorted[clip_lo + 1]
             t = (top + clip_frac * (above - top))[:, None]
             y = tl.minimum(tl.maximum(y, -t), t)
         GS: tl.constexpr = D // NG
@@ -61,9 +66,10 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
         mn = tl.min(yg, axis=2)
         mx = tl.max(yg, axis=2)
         meta_ty = meta_ptr.dtype.element_ty
-        scale = ((mx - mn) / 3.0).to(meta_ty).to(tl.float32)
+        # IEEE divisions like torch's (the GPU's default fp32 division is approximate)
+        scale = tl.div_rn(mx - mn, tl.full(mx.shape, 3.0, tl.float32)).to(meta_ty).to(tl.float32)
         mn = mn.to(meta_ty).to(tl.float32)
-        inv = tl.where(scale > 0, 1.0 / scale, 0.0)
+        inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
         c = tl.floor((yg - mn[:, :, None]) * inv[:, :, None] + 0.5)
         c = tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.int32)
         c = tl.reshape(c, (BLOCK_T, 4, D // 4))

@@ -132,6 +132,20 @@ def test_many_key_blocks_and_splits_small():
     _run_case(h=2, gqa=2, d=64, lengths=(83, 47, 5), s=3, w=5, ps=8, decode_steps=1, seed=3, block_n=16, splits=3)
 
 
+def test_clip_quantile_with_tied_magnitudes_small():
+    # integer-valued rows: |x| has many ties, at and around the clip quantile (the kernel finds the
+    # quantile by maxima and tie counts, the reference by sorting; they must agree exactly)
+    h, d, n = 2, 64, 40
+    ref, got = _twin_caches(h, d, 1, n, 0, 0, 8, None, torch.float32, "identity", clip=0.9)
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randint(-4, 5, (1, h, n, d), generator=gen).float().to(DEV) for _ in range(2))
+    pos = torch.arange(n, device=DEV)
+    store_reference(*_store_args(ref, k, v, pos))
+    store_triton(*_store_args(got, k, v, pos))
+    for name in ("k_meta", "v_meta", "k_codes", "v_codes"):
+        torch.testing.assert_close(getattr(got.layers[0], name), getattr(ref.layers[0], name), rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
