@@ -27,14 +27,21 @@ POINTERS = {"qq_ptr": "*fp16", "pos_ptr": "*i64", "len_ptr": "*i64", "c0_ptr": "
             "part_o_ptr": "*fp32"}
 
 
-def compile_attention(block_n, warps, stages, unpack, d=128, g=4, ablate=0, region=0):
+# runtime sizes that are rarely multiples of 16; every other argument (pointers, strides) is, as in a real launch
+NOT_DIVISIBLE = {"T", "M_TOTAL", "S", "W", "NSPLIT", "NS", "mask_len", "sp_b", "sbt_b", "sc_s", "sm_s", "sm_h",
+                 "keys_per_split", "bf16_per_split"}
+
+
+def compile_attention(block_n, warps, stages, unpack, d=128, g=4, ablate=0, region=0, block_m=16, prefill=False):
     fn = ta._attn_kernel
     names = fn.arg_names
-    const = dict(H=8, G=g, D=d, NG=1, PS=16, HAS_RING=True, BLOCK_M=16, BLOCK_N=block_n, IS_CAUSAL=False,
-                 MASK_KIND=0, HAS_CHUNK=False, DT=tl.float16, KC=min(d, 64), ALIGNED=True, ABLATE=ablate,
+    const = dict(H=8, G=g, D=d, NG=1, PS=16, HAS_RING=True, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=prefill,
+                 MASK_KIND=0, HAS_CHUNK=prefill, DT=tl.float16, KC=min(d, 64), ALIGNED=True, ABLATE=ablate,
                  USE_ASM=unpack == "asm", REGION=region)
     sig = {n: "constexpr" if n in const else POINTERS.get(n, "i32") for n in names}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in const and n not in NOT_DIVISIBLE}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                                    attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
@@ -58,15 +65,22 @@ def main():
     ap.add_argument("--unpack", nargs="+", default=["asm"])
     ap.add_argument("--ablate", type=int, nargs="+", default=[0])
     ap.add_argument("--region", type=int, nargs="+", default=[0], help="0: INT2 pages, 1: BF16 keys")
+    ap.add_argument("--d", type=int, nargs="+", default=[128], help="head_dim")
+    ap.add_argument("--block-m", type=int, nargs="+", default=[16])
+    ap.add_argument("--prefill", action="store_true", help="causal, with the new chunk (prefill launches)")
     ap.add_argument("--dump", default=None, help="write the PTX of the last variant here")
     args = ap.parse_args()
-    for bn, w, st, up, ab, rg in itertools.product(args.block_n, args.warps, args.stages, args.unpack, args.ablate,
-                                                   args.region):
-        k = compile_attention(bn, w, st, up, ablate=ab, region=rg)
+    for bn, w, st, up, ab, rg, d, bm in itertools.product(args.block_n, args.warps, args.stages, args.unpack, args.ablate,
+                                                          args.region, args.d, args.block_m):
+        try:
+            k = compile_attention(bn, w, st, up, d=d, ablate=ab, region=rg, block_m=bm, prefill=args.prefill)
+        except Exception as e:  # a configuration the compiler rejects
+            print(f"region={rg} d={d} block_m={bm} block_n={bn} warps={w}: COMPILE FAILED {type(e).__name__}", flush=True)
+            continue
         ptx = k.asm["ptx"]
         mix = {op: ptx.count(op) for op in ("ld.global", "lop3", "cvt.rn.f16", "cvt.rn.f32", "st.shared", "ld.shared",
                                              "ldmatrix", "mma.sync", "shfl")}
-        print(f"region={rg} block_n={bn} warps={w} stages={st} unpack={up} ablate={ab}: {ptxas_report(ptx)} "
+        print(f"region={rg} d={d} block_m={bm} block_n={bn} warps={w} stages={st} unpack={up} ablate={ab}: {ptxas_report(ptx)} "
               f"shared={k.metadata.shared} {mix}", flush=True)
         if args.dump:
             open(args.dump, "w").write(ptx)

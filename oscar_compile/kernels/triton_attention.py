@@ -373,25 +373,36 @@ def _attn_kernel(
 @triton.jit
 def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, so_b, so_h, so_t, pos_ptr, sp_b,
                   M_TOTAL, NS, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                  BLOCK_M: tl.constexpr, KC: tl.constexpr):
+                  BLOCK_M: tl.constexpr, KC: tl.constexpr, SB: tl.constexpr):
+    """Combine the splits' partial softmax states of ``BLOCK_M`` rows, un-rotate and write the output.
+
+    Splits are read ``SB`` at a time (``[BLOCK_M, SB, D]`` tiles): a batch-1 decode has ~70 splits, and
+    one load round trip per split made this kernel a third of the call at long contexts."""
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
     r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < M_TOTAL
     rbase = (pid_bh * M_TOTAL + r) * NS
+    sb = tl.arange(0, 64)
     m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s_i in range(NS):
-        m_max = tl.maximum(m_max, tl.load(part_m_ptr + rbase + s_i, mask=row_ok, other=float("-inf")))
+    for s0 in range(0, NS, 64):
+        ok = row_ok[:, None] & (s0 + sb < NS)[None, :]
+        m_s = tl.load(part_m_ptr + rbase[:, None] + s0 + sb[None, :], mask=ok, other=float("-inf"))
+        m_max = tl.maximum(m_max, tl.max(m_s, 1))
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     dcol = tl.arange(0, D)
+    si = tl.arange(0, SB)
     o = tl.zeros([BLOCK_M, D], tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
-    for s_i in range(NS):
-        m_s = tl.load(part_m_ptr + rbase + s_i, mask=row_ok, other=float("-inf"))
-        w_s = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_safe))
-        denom += w_s * tl.load(part_l_ptr + rbase + s_i, mask=row_ok, other=0.0)
-        o += tl.load(part_o_ptr + (rbase + s_i)[:, None] * D + dcol[None, :], mask=row_ok[:, None], other=0.0) * w_s[:, None]
+    for s0 in range(0, NS, SB):
+        ok = row_ok[:, None] & (s0 + si < NS)[None, :]
+        idx = rbase[:, None] + s0 + si[None, :]  # [BLOCK_M, SB]
+        m_s = tl.load(part_m_ptr + idx, mask=ok, other=float("-inf"))
+        w_s = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_safe[:, None]))
+        denom += tl.sum(w_s * tl.load(part_l_ptr + idx, mask=ok, other=0.0), 1)
+        po = tl.load(part_o_ptr + idx[:, :, None] * D + dcol[None, None, :], mask=ok[:, :, None], other=0.0)
+        o += tl.sum(po * w_s[:, :, None], 1)
     row_t = r // G
     pos = tl.load(pos_ptr + b * sp_b + tl.where(row_ok, row_t, 0), mask=row_ok, other=-1)
     has = (denom > 0) & (pos >= 0)
@@ -469,13 +480,21 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     m_blocks = triton.cdiv(m_total, block_m)
     block_n = block_n or (64 if d > 128 else 128)
     page_keys = geo.max_pages * geo.page_size
-    nsplit = splits or num_splits(b, h, m_blocks, page_keys, block_n, dev)
+    # The page region takes at most 32 query rows a program: with 64 the unpacked codes become a wgmma
+    # operand whose shared layout Triton 3.6/3.7 reject for d = 64 ("Illegal shared layout"), and d = 128
+    # spills. Each launch indexes the partial state by query row, so the two regions may block rows differently.
+    page_m = min(block_m, 32)
+    nsplit = splits or num_splits(b, h, triton.cdiv(m_total, page_m), page_keys, block_n, dev)
     LAST_LAUNCH["splits"] = nsplit
     keys_per_split = triton.cdiv(triton.cdiv(page_keys, nsplit), block_n) * block_n
     # The BF16 keys (sinks, ring, chunk: at most S + W + t) get splits of their own, each about as many
     # bytes as a page split (a BF16 key is ~7x an INT2 one), so at short contexts they are not the tail.
+    # At small batch that is too few programs (8 at batch 1: latency-bound), so also aim for ~2 per SM.
     bf16_keys = geo.num_sinks + geo.window + t
-    bf16_per_split = max(block_n, triton.cdiv(keys_per_split // 7, block_n) * block_n)
+    bn_bf16 = 64
+    sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 8
+    fill = triton.cdiv(bf16_keys, max(1, 2 * sms // (b * h * m_blocks)))
+    bf16_per_split = triton.cdiv(min(max(keys_per_split // 7, 1), max(fill, 1)), bn_bf16) * bn_bf16
     nb = triton.cdiv(bf16_keys, bf16_per_split)
     ns = nsplit + nb
     part_m = torch.empty(b * h * m_total * ns, dtype=torch.float32, device=dev)
@@ -524,12 +543,13 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                 KC=min(d, 64), ALIGNED=_aligned16(k_codes, v_codes, k_sink, v_sink, k_ring, v_ring, kch, vch), ABLATE=ablate, USE_ASM=use_asm,
                 num_warps=num_warps, num_stages=num_stages)
     page_opts = {"maxnreg": maxnreg} if maxnreg else {}  # a register cap trades spills for CTAs per SM
-    LAST_LAUNCH["attention"] = _attn_kernel[(b * h, m_blocks, nsplit)](*args, REGION=0, **meta, **page_opts)
-    LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, m_blocks, nb)](*args, REGION=1, **meta)
+    LAST_LAUNCH["attention"] = _attn_kernel[(b * h, triton.cdiv(m_total, page_m), nsplit)](
+        *args, REGION=0, **dict(meta, BLOCK_M=page_m), **page_opts)
+    LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, m_blocks, nb)](*args, REGION=1, **dict(meta, BLOCK_N=bn_bf16))
     merge_m = 16
     LAST_LAUNCH["merge"] = _merge_kernel[(b * h, triton.cdiv(m_total, merge_m))](
         part_m, part_l, part_o, f32(output_transform), f32(value_mean), out, out.stride(0), out.stride(1),
         out.stride(2), pos, pos.stride(0), m_total, ns, H=h, G=g, D=d,
-        BLOCK_M=merge_m, KC=min(d, 32),
+        BLOCK_M=merge_m, KC=min(d, 32), SB=max(1, 512 // d),
     )
     return out

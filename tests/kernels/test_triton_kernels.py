@@ -130,6 +130,8 @@ def test_many_key_blocks_and_splits_small():
     # small key blocks so the page loop runs many iterations (its hand-pipelined prefetch included),
     # split boundaries inside pages, and a padded row whose page region is empty
     _run_case(h=2, gqa=2, d=64, lengths=(83, 47, 5), s=3, w=5, ps=8, decode_steps=1, seed=3, block_n=16, splits=3)
+    # more splits than the merge reads at once (8 for d = 64), so it combines them in several chunks
+    _run_case(h=1, gqa=4, d=64, lengths=(150,), s=2, w=3, ps=8, decode_steps=1, seed=4, block_n=16, splits=11)
 
 
 def test_clip_quantile_with_tied_magnitudes_small():
