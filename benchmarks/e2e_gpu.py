@@ -59,46 +59,58 @@ def timed_generate(model, ids, cache, new):
     return out[:, ids.shape[1]:], ids.shape[0] * (new - 1) / max(decode_s, 1e-9)
 
 
-def run_model(name, batch, prompt, new, mode, layers, check):
+def run_config(model, name, ids, batch, prompt, new, mode, label, opts, weights):
     import oscar_compile
 
+    uncompile(model)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    if opts is None or opts == "eager":
+        if opts is None:
+            model.compile(mode=mode)
+        cache = transformers.StaticCache(config=model.config, max_cache_len=prompt + new + 1)
+    else:
+        oscar_compile.compile(model, mode=mode, **opts)
+        cache = oscar_compile.OscarCache(model, max_cache_len=prompt + new + 1, max_batch_size=batch)
+    timed_generate(model, ids, cache, 3)  # warm both graphs (prefill and decode) once
+    compile_s = time.perf_counter() - t0
+    cache.reset()
+    tokens, tps = timed_generate(model, ids, cache, new)
+    peak = torch.cuda.max_memory_allocated()
+    row = {"model": name, "layers": model.config.num_hidden_layers, "config": label, "batch": batch,
+           "prompt": prompt, "new_tokens": new, "mode": mode, "decode_tokens_per_s": tps,
+           "peak_gb": peak / 1e9, "peak_above_weights_gb": (peak - weights) / 1e9, "warmup_s": compile_s}
+    if isinstance(opts, dict):
+        row["layers_rewritten"] = [len(g.rewritten) for g in model.oscar_backend.graphs]
+        row["int2_storage_gb"] = model.oscar_backend.kv_bytes / 1e9
+    return row, tokens
+
+
+def run_model(name, batch, prompt, new, mode, layers, check):
     model = make(name, layers)
     ids = torch.randint(3, 1000, (batch, prompt), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     weights = torch.cuda.memory_allocated()
     rows = []
-    configs = [("bf16 StaticCache + inductor", None)]
+    configs = [("bf16 StaticCache + inductor", None), ("bf16 StaticCache eager", "eager")]
     if check:
         configs.append(("oscar, quantize off", {"quantize": False}))
     configs.append(("oscar INT2", {}))
-    ref_tokens = None
+    ref_tokens = ref_label = None
     for label, opts in configs:
-        uncompile(model)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        if opts is None:
-            model.compile(mode=mode)
-            cache = transformers.StaticCache(config=model.config, max_cache_len=prompt + new + 1)
-            # warm both graphs (prefill and decode) once
-            timed_generate(model, ids, cache, 3)
-        else:
-            oscar_compile.compile(model, mode=mode, **opts)
-            cache = oscar_compile.OscarCache(model, max_cache_len=prompt + new + 1, max_batch_size=batch)
-            timed_generate(model, ids, cache, 3)
-        compile_s = time.perf_counter() - t0
-        cache.reset()
-        tokens, tps = timed_generate(model, ids, cache, new)
-        peak = torch.cuda.max_memory_allocated()
-        row = {"model": name, "layers": model.config.num_hidden_layers, "config": label, "batch": batch,
-               "prompt": prompt, "new_tokens": new, "mode": mode, "decode_tokens_per_s": tps,
-               "peak_gb": peak / 1e9, "peak_above_weights_gb": (peak - weights) / 1e9, "warmup_s": compile_s}
-        if opts is not None:
-            row["layers_rewritten"] = [len(g.rewritten) for g in model.oscar_backend.graphs]
-            row["int2_storage_gb"] = model.oscar_backend.kv_bytes / 1e9
+        try:
+            row, tokens = run_config(model, name, ids, batch, prompt, new, mode, label, opts, weights)
+        except Exception as e:  # report and go on: one failing configuration must not hide the others
+            import traceback
+
+            print(f"FAILED {name} / {label}: {type(e).__name__}: {str(e)[:600]}", flush=True)
+            traceback.print_exc(limit=-4)
+            rows.append({"model": name, "config": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
         if ref_tokens is None:
-            ref_tokens = tokens
+            ref_tokens, ref_label = tokens, label
         else:
-            row["tokens_equal_to_bf16"] = float((tokens == ref_tokens).float().mean())
+            row["tokens_equal_to"] = {ref_label: float((tokens == ref_tokens).float().mean())}
         rows.append(row)
         print(json.dumps(row), flush=True)
     del model
