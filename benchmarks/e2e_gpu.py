@@ -6,7 +6,9 @@ OscarCache + oscar backend (INT2), optionally with quantization off (same path, 
 check that the rewrite computes what the model computes: greedy tokens must then agree.
 Reports tokens/s of the decode phase and peak GPU memory.
 
-    python benchmarks/e2e_gpu.py --models smollm2 --batch 8 --prompt 512 --new 64
+    python benchmarks/e2e_gpu.py --models smollm2,llama3-8b:8 --configs int2,off,eager,inductor
+
+Each configuration runs in its own process (a compiler crash costs one row, not the run).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def run_config(model, name, ids, batch, prompt, new, mode, label, opts, weights)
     t0 = time.perf_counter()
     if opts is None or opts == "eager":
         if opts is None:
-            model.compile(mode=mode)
+            model.compile(mode=None if mode == "default" else mode)
         cache = transformers.StaticCache(config=model.config, max_cache_len=prompt + new + 1)
     else:
         oscar_compile.compile(model, mode=mode, **opts)
@@ -87,56 +89,85 @@ def run_config(model, name, ids, batch, prompt, new, mode, label, opts, weights)
     return row, tokens
 
 
-def run_model(name, batch, prompt, new, mode, layers, check):
-    model = make(name, layers)
-    ids = torch.randint(3, 1000, (batch, prompt), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
-    weights = torch.cuda.memory_allocated()
-    rows = []
-    configs = [("bf16 StaticCache + inductor", None), ("bf16 StaticCache eager", "eager")]
-    if check:
-        configs.append(("oscar, quantize off", {"quantize": False}))
-    configs.append(("oscar INT2", {}))
-    ref_tokens = ref_label = None
-    for label, opts in configs:
-        try:
-            row, tokens = run_config(model, name, ids, batch, prompt, new, mode, label, opts, weights)
-        except Exception as e:  # report and go on: one failing configuration must not hide the others
-            import traceback
+CONFIGS = {  # key: (label, options, compile mode: None = the --mode argument)
+    "int2": ("oscar INT2", {}, None),
+    "off": ("oscar, quantize off", {"quantize": False}, None),
+    "eager": ("bf16 StaticCache eager", "eager", None),
+    "inductor": ("bf16 StaticCache + inductor (default mode)", None, "default"),
+    "inductor-ro": ("bf16 StaticCache + inductor (reduce-overhead)", None, "reduce-overhead"),
+}
 
-            print(f"FAILED {name} / {label}: {type(e).__name__}: {str(e)[:600]}", flush=True)
-            traceback.print_exc(limit=-4)
-            rows.append({"model": name, "config": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            continue
-        if ref_tokens is None:
-            ref_tokens, ref_label = tokens, label
-        else:
-            row["tokens_equal_to"] = {ref_label: float((tokens == ref_tokens).float().mean())}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    del model
-    torch.cuda.empty_cache()
-    return rows
+
+def child(args):
+    """One configuration of one model in this process; writes its row and tokens for the parent."""
+    name, _, layers = args.child.partition(":")
+    label, opts, mode = CONFIGS[args.config]
+    model = make(name, int(layers) if layers else None)
+    ids = torch.randint(3, 1000, (args.batch, args.prompt), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    weights = torch.cuda.memory_allocated()
+    row, tokens = run_config(model, name, ids, args.batch, args.prompt, args.new, mode or args.mode, label, opts, weights)
+    torch.save(tokens.cpu(), args.result + ".pt")
+    Path(args.result + ".json").write_text(json.dumps(row))
+
+
+def run_isolated(spec, config, args, tmp) -> tuple[dict, torch.Tensor | None]:
+    """Run one configuration in a subprocess: a crash (a segfault in a compiler) costs only that row."""
+    import subprocess
+    import sys
+
+    result = str(Path(tmp) / f"{spec.replace(':', '_')}_{config}")
+    cmd = [sys.executable, __file__, "--child", spec, "--config", config, "--result", result, "--batch", str(args.batch),
+           "--prompt", str(args.prompt), "--new", str(args.new), "--mode", args.mode]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.config_timeout)
+        err = None if proc.returncode == 0 else f"exit {proc.returncode}: " + proc.stderr.strip()[-600:]
+    except subprocess.TimeoutExpired:
+        err = f"timed out after {args.config_timeout} s"
+    if err is None and Path(result + ".json").exists():
+        return json.loads(Path(result + ".json").read_text()), torch.load(result + ".pt")
+    return {"model": spec, "config": CONFIGS[config][0], "error": err}, None
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="smollm2,llama3-8b")
+    ap.add_argument("--models", default="smollm2,llama3-8b:8", help="name[:layers],...")
+    ap.add_argument("--configs", default="int2,off,eager,inductor", help=",".join(CONFIGS))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--mode", default="reduce-overhead")
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--mode", default="reduce-overhead", help="compile mode of the oscar configurations")
+    ap.add_argument("--config-timeout", type=int, default=150)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "e2e_h200.json"))
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--config", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        return child(args)
+    import tempfile
+
     rows = []
-    for spec in args.models.split(","):
-        name, _, layers = spec.partition(":")  # "llama3-8b:8" keeps the shapes, fewer layers
-        rows += run_model(name, args.batch, args.prompt, args.new, args.mode, int(layers) if layers else args.layers,
-                          not args.no_check)
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in args.models.split(","):
+            tokens = {}
+            for config in args.configs.split(","):
+                row, tok = run_isolated(spec, config, args, tmp)
+                if tok is not None:
+                    tokens[config] = tok
+                    ref = next((k for k in ("eager", "inductor", "inductor-ro") if k in tokens), None)
+                    if ref and ref != config:
+                        row["tokens_equal_to"] = {CONFIGS[ref][0]: float((tok == tokens[ref]).float().mean())}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            for config, tok in tokens.items():  # configs run before the BF16 reference existed
+                row = next(r for r in rows if r["model"] == spec.partition(":")[0] and r["config"] == CONFIGS[config][0])
+                ref = next((k for k in ("eager", "inductor", "inductor-ro") if k in tokens), None)
+                if ref and ref != config and "tokens_equal_to" not in row:
+                    row["tokens_equal_to"] = {CONFIGS[ref][0]: float((tok == tokens[ref]).float().mean())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
                                           "transformers": transformers.__version__, "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

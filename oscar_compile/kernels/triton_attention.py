@@ -384,25 +384,28 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, 
     r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < M_TOTAL
     rbase = (pid_bh * M_TOTAL + r) * NS
+    # No reductions inside the loops (accumulate elementwise, reduce once after): Triton 3.6 asserts in
+    # OptimizeThreadLocality on a loop-carried reduction over a 3-D tile (d = 64).
     sb = tl.arange(0, 64)
-    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m_run = tl.full([BLOCK_M, 64], float("-inf"), tl.float32)
     for s0 in range(0, NS, 64):
         ok = row_ok[:, None] & (s0 + sb < NS)[None, :]
-        m_s = tl.load(part_m_ptr + rbase[:, None] + s0 + sb[None, :], mask=ok, other=float("-inf"))
-        m_max = tl.maximum(m_max, tl.max(m_s, 1))
+        m_run = tl.maximum(m_run, tl.load(part_m_ptr + rbase[:, None] + s0 + sb[None, :], mask=ok, other=float("-inf")))
+    m_max = tl.max(m_run, 1)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     dcol = tl.arange(0, D)
     si = tl.arange(0, SB)
-    o = tl.zeros([BLOCK_M, D], tl.float32)
-    denom = tl.zeros([BLOCK_M], tl.float32)
+    o3 = tl.zeros([BLOCK_M, SB, D], tl.float32)
+    den2 = tl.zeros([BLOCK_M, SB], tl.float32)
     for s0 in range(0, NS, SB):
         ok = row_ok[:, None] & (s0 + si < NS)[None, :]
         idx = rbase[:, None] + s0 + si[None, :]  # [BLOCK_M, SB]
         m_s = tl.load(part_m_ptr + idx, mask=ok, other=float("-inf"))
         w_s = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_safe[:, None]))
-        denom += tl.sum(w_s * tl.load(part_l_ptr + idx, mask=ok, other=0.0), 1)
-        po = tl.load(part_o_ptr + idx[:, :, None] * D + dcol[None, None, :], mask=ok[:, :, None], other=0.0)
-        o += tl.sum(po * w_s[:, :, None], 1)
+        den2 += w_s * tl.load(part_l_ptr + idx, mask=ok, other=0.0)
+        o3 += tl.load(part_o_ptr + idx[:, :, None] * D + dcol[None, None, :], mask=ok[:, :, None], other=0.0) * w_s[:, :, None]
+    o = tl.sum(o3, 1)
+    denom = tl.sum(den2, 1)
     row_t = r // G
     pos = tl.load(pos_ptr + b * sp_b + tl.where(row_ok, row_t, 0), mask=row_ok, other=-1)
     has = (denom > 0) & (pos >= 0)
