@@ -1,0 +1,144 @@
+"""Compile the Triton kernels for sm_90 on a machine without a GPU (Triton's bundled ``ptxas``).
+
+The interpreter never runs the GPU compiler, and the GPU compiler has rejected variants the interpreter
+accepts (Triton 3.6 on the H200: an "Illegal shared layout" for d = 64 with 64 query rows, an assertion
+on a loop-carried reduction over a 3-D tile). Compiling every launch variant here catches that class
+of failure in CI, and gives registers and spills for comparing variants (``benchmarks/kernel_resources.py``).
+
+Arguments are specialised the way a launch specialises them: pointers and strides divisible by 16
+(the compiler vectorises, and picks layouts, from that), runtime sizes not.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+
+# Sizes that are rarely multiples of 16 at a launch; every other integer argument (strides) is.
+NOT_DIVISIBLE = {"T", "M_TOTAL", "S", "W", "NSPLIT", "NS", "mask_len", "sp_b", "sbt_b", "sc_s", "sm_s", "sm_h",
+                 "keys_per_split", "bf16_per_split", "stride_bt_b", "MAX_PAGES", "kclip_lo", "vclip_lo"}
+FLOATS = {"qk_scale", "kclip_frac", "vclip_frac"}
+
+ATTENTION_POINTERS = {
+    "qq_ptr": "*fp16", "pos_ptr": "*i64", "len_ptr": "*i64", "c0_ptr": "*i64", "cend_ptr": "*i64",
+    "kch_ptr": "*bf16", "vch_ptr": "*bf16", "kc_ptr": "*i32", "km_ptr": "*fp16", "vc_ptr": "*i32", "vm_ptr": "*fp16",
+    "ks_ptr": "*bf16", "vs_ptr": "*bf16", "kr_ptr": "*bf16", "vr_ptr": "*bf16", "bt_ptr": "*i32", "mask_ptr": "*bf16",
+    "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_o_ptr": "*fp32",
+    # merge / query kernels
+    "bo_ptr": "*fp32", "muv_ptr": "*fp32", "out_ptr": "*bf16", "q_ptr": "*bf16", "bq_ptr": "*fp32",
+}
+STORE_POINTERS = {
+    "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "first_ptr": "*i64", "last_ptr": "*i64",
+    "ak_ptr": "*fp32", "muk_ptr": "*fp32", "av_ptr": "*fp32", "muv_ptr": "*fp32", "kout_ptr": "*bf16",
+    "vout_ptr": "*bf16", "kc_ptr": "*u8", "km_ptr": "*fp16", "vc_ptr": "*u8", "vm_ptr": "*fp16", "ks_ptr": "*bf16",
+    "vs_ptr": "*bf16", "kr_ptr": "*bf16", "vr_ptr": "*bf16", "bt_ptr": "*i32",
+}
+
+
+def compile_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4, num_stages: int = 2, maxnreg=None):
+    """``fn`` (a ``@triton.jit`` kernel) compiled for sm_90; raises what the compiler raises."""
+    names = fn.arg_names
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in constexprs:
+            sig[n] = "constexpr"
+        elif n in pointers:
+            sig[n] = pointers[n]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in FLOATS:
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+            if n not in NOT_DIVISIBLE:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                                    attrs=attrs)
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_attention(d=128, g=4, block_m=16, block_n=128, region=0, prefill=False, unpack="asm", ablate=0,
+                      num_warps=4, num_stages=2, ng=1, mask_kind=0, maxnreg=None):
+    from .triton_attention import _attn_kernel
+
+    const = dict(H=8, G=g, D=d, NG=ng, PS=16, HAS_RING=True, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=prefill,
+                 MASK_KIND=mask_kind, HAS_CHUNK=prefill, DT=tl.float16, KC=min(d, 64), ALIGNED=True, ABLATE=ablate,
+                 USE_ASM=unpack == "asm", REGION=region)
+    return compile_sm90(_attn_kernel, const, ATTENTION_POINTERS, num_warps, num_stages, maxnreg)
+
+
+def compile_merge(d=128, g=4):
+    from .triton_attention import _merge_kernel
+
+    return compile_sm90(_merge_kernel, dict(H=8, G=g, D=d, BLOCK_M=16, KC=min(d, 32), SB=max(1, 512 // d)),
+                        ATTENTION_POINTERS, num_stages=3)
+
+
+def compile_query(d=128, g=4, block_m=16):
+    from .triton_attention import _query_kernel
+
+    return compile_sm90(_query_kernel, dict(H=8, G=g, D=d, BLOCK_M=block_m, KC=min(d, 64)), ATTENTION_POINTERS,
+                        num_stages=3)
+
+
+def compile_store(d=128, ng=1, clip=True):
+    from .triton_store import _store_kernel
+
+    return compile_sm90(_store_kernel, dict(PS=16, BLOCK_T=16, D=d, NG=ng, K_CLIP=clip, V_CLIP=clip, HAS_RING=True),
+                        STORE_POINTERS, num_warps=8 if d >= 256 else 4, num_stages=3)
+
+
+def launch_variants(d: int) -> dict:
+    """What :func:`attention_triton` and :func:`store_triton` launch for head_dim ``d`` (name -> thunk)."""
+    bn_pages = 64 if d > 128 else 128
+    return {
+        f"decode pages d={d}": lambda: compile_attention(d=d, block_m=16, block_n=bn_pages, region=0),
+        f"decode bf16 keys d={d}": lambda: compile_attention(d=d, block_m=16, block_n=64, region=1),
+        f"prefill pages d={d}": lambda: compile_attention(d=d, block_m=32, block_n=bn_pages, region=0, prefill=True),
+        f"prefill bf16 keys d={d}": lambda: compile_attention(d=d, block_m=64, block_n=64, region=1, prefill=True),
+        f"merge d={d}": lambda: compile_merge(d=d),
+        f"query d={d}": lambda: compile_query(d=d, block_m=16),
+        f"query prefill d={d}": lambda: compile_query(d=d, block_m=64),
+        f"store d={d}": lambda: compile_store(d=d, clip=True),
+    }
+
+
+def extra_variants() -> dict:
+    return {
+        "pages, bool mask": lambda: compile_attention(d=64, block_m=32, region=0, prefill=True, mask_kind=1),
+        "bf16 keys, additive mask": lambda: compile_attention(d=128, block_m=16, block_n=64, region=1, mask_kind=2),
+        "pages, 2 groups": lambda: compile_attention(d=128, block_m=16, region=0, ng=2),
+        "store, 2 groups, no clip": lambda: compile_store(d=128, ng=2, clip=False),
+    }
+
+
+def main(argv=None) -> int:
+    """``python -m oscar_compile.kernels.sm90 [d ...]``: compile every variant, one line each; exit 1 on a failure."""
+    import os
+    import sys
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: the interpreter replaces the kernels the compiler needs", file=sys.stderr)
+        return 2
+    dims = [int(x) for x in (argv if argv is not None else sys.argv[1:])] or [64, 128, 256]
+    variants = {}
+    for d in dims:
+        variants.update(launch_variants(d))
+    if 128 in dims:
+        variants.update(extra_variants())
+    failed = 0
+    for name, build in variants.items():
+        try:
+            k = build()
+            print(f"ok      {name}: {k.metadata.shared} B shared", flush=True)
+        except Exception as e:  # report every failing variant, not just the first
+            failed += 1
+            print(f"FAILED  {name}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
