@@ -267,7 +267,9 @@ def _attn_kernel(
 
     r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < M_TOTAL
-    row_t = r // G
+    # Padding rows of the last block point at token 0: every address they form stays inside the tensors
+    # (the mask loads of a non-causal decode are not otherwise guarded by row_ok; on the GPU they faulted).
+    row_t = tl.where(row_ok, r // G, 0)
     row_hq = h * G + r % G
     row_pos = tl.load(pos_ptr + b * sp_b + tl.where(row_ok, row_t, 0), mask=row_ok, other=-1).to(tl.int64)
     length = tl.load(len_ptr + b * sl_b).to(tl.int64)
