@@ -14,39 +14,13 @@ import re
 import subprocess
 import tempfile
 
-import triton
-import triton.language as tl
-from triton.backends.compiler import GPUTarget
-
-from oscar_compile.kernels import triton_attention as ta
-
-POINTERS = {"qq_ptr": "*fp16", "pos_ptr": "*i64", "len_ptr": "*i64", "c0_ptr": "*i64", "cend_ptr": "*i64",
-            "kch_ptr": "*bf16", "vch_ptr": "*bf16", "kc_ptr": "*i32", "km_ptr": "*fp16", "vc_ptr": "*i32",
-            "vm_ptr": "*fp16", "ks_ptr": "*bf16", "vs_ptr": "*bf16", "kr_ptr": "*bf16", "vr_ptr": "*bf16",
-            "bt_ptr": "*i32", "mask_ptr": "*bf16", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-            "part_o_ptr": "*fp32"}
-
-
-# runtime sizes that are rarely multiples of 16; every other argument (pointers, strides) is, as in a real launch
-NOT_DIVISIBLE = {"T", "M_TOTAL", "S", "W", "NSPLIT", "NS", "mask_len", "sp_b", "sbt_b", "sc_s", "sm_s", "sm_h",
-                 "keys_per_split", "bf16_per_split"}
-
-
-def compile_attention(block_n, warps, stages, unpack, d=128, g=4, ablate=0, region=0, block_m=16, prefill=False):
-    fn = ta._attn_kernel
-    names = fn.arg_names
-    const = dict(H=8, G=g, D=d, NG=1, PS=16, HAS_RING=True, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=prefill,
-                 MASK_KIND=0, HAS_CHUNK=prefill, DT=tl.float16, KC=min(d, 64), ALIGNED=True, ABLATE=ablate,
-                 USE_ASM=unpack == "asm", REGION=region)
-    sig = {n: "constexpr" if n in const else POINTERS.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in const and n not in NOT_DIVISIBLE}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+from oscar_compile.kernels.sm90 import compile_attention
 
 
 def ptxas_report(ptx: str) -> dict:
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path  # the ptxas Triton itself uses for sm_90 (it differs between Triton releases)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         open(path, "w").write(ptx)
@@ -73,7 +47,8 @@ def main():
     for bn, w, st, up, ab, rg, d, bm in itertools.product(args.block_n, args.warps, args.stages, args.unpack, args.ablate,
                                                           args.region, args.d, args.block_m):
         try:
-            k = compile_attention(bn, w, st, up, d=d, ablate=ab, region=rg, block_m=bm, prefill=args.prefill)
+            k = compile_attention(d=d, block_m=bm, block_n=bn, region=rg, prefill=args.prefill, unpack=up, ablate=ab,
+                                  num_warps=w, num_stages=st)
         except Exception as e:  # a configuration the compiler rejects
             print(f"region={rg} d={d} block_m={bm} block_n={bn} warps={w}: COMPILE FAILED {type(e).__name__}", flush=True)
             continue
