@@ -17,7 +17,7 @@ from triton.backends.compiler import GPUTarget
 
 # Sizes that are rarely multiples of 16 at a launch; every other integer argument (strides) is.
 NOT_DIVISIBLE = {"T", "M_TOTAL", "S", "W", "NSPLIT", "NS", "mask_len", "sp_b", "sbt_b", "sc_s", "sm_s", "sm_h",
-                 "keys_per_split", "bf16_per_split", "stride_bt_b", "MAX_PAGES", "kclip_lo", "vclip_lo"}
+                 "keys_per_split", "bf16_per_split", "stride_bt_b", "MAX_PAGES", "kclip_lo", "vclip_lo", "NH"}
 FLOATS = {"qk_scale", "kclip_frac", "vclip_frac"}
 
 ATTENTION_POINTERS = {

@@ -2,7 +2,7 @@
 
 Beside it, :func:`oscar_compile.kernels.store.store_reference` is the oracle (same semantics).
 
-One program handles ``BLOCK_T`` tokens of one sequence row and one KV head, keys then values:
+One program handles ``BLOCK_T`` tokens of one sequence row, one KV head and one side (keys or values):
 
 1. ``y = (x - mu) @ A`` (``tl.dot`` against the head's ``d x d`` matrix, fp32-accurate ``tf32x3``), rounded to the
    cache dtype; written to the returned chunk ``[B, T, H, d]``.
@@ -149,25 +149,29 @@ def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                   ak_ptr, muk_ptr, av_ptr, muv_ptr, kout_ptr, vout_ptr,
                   kc_ptr, km_ptr, vc_ptr, vm_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, bt_ptr, stride_bt_b,
                   sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h,
-                  kclip_lo, kclip_frac, vclip_lo, vclip_frac, S, W, MAX_PAGES,
+                  kclip_lo, kclip_frac, vclip_lo, vclip_frac, S, W, MAX_PAGES, NH,
                   PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
                   K_CLIP: tl.constexpr, V_CLIP: tl.constexpr, HAS_RING: tl.constexpr):
+    # Keys and values in separate programs (grid axis 2 = side * NH + head): a decode step has one
+    # token, so at small batch each program's serial chain is the latency.
     b = tl.program_id(0)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(2)
+    h = tl.program_id(2) % NH
     inb = t < T
     p = tl.load(pos_ptr + b * sp_b + tl.where(inb, t, 0), mask=inb, other=-1).to(tl.int64)
     valid = inb & (p >= 0)
     first = tl.load(first_ptr + b).to(tl.int64)
     last = tl.load(last_ptr + b).to(tl.int64)
-    _store_side(k_ptr, sk_b, sk_h, sk_t, ak_ptr, muk_ptr, kout_ptr, kc_ptr, km_ptr, ks_ptr, kr_ptr, bt_ptr,
-                b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
-                ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, kclip_lo, kclip_frac, S, W, MAX_PAGES,
-                PS, BLOCK_T, D, NG, K_CLIP, HAS_RING)
-    _store_side(v_ptr, sv_b, sv_h, sv_t, av_ptr, muv_ptr, vout_ptr, vc_ptr, vm_ptr, vs_ptr, vr_ptr, bt_ptr,
-                b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
-                ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, vclip_lo, vclip_frac, S, W, MAX_PAGES,
-                PS, BLOCK_T, D, NG, V_CLIP, HAS_RING)
+    if tl.program_id(2) < NH:
+        _store_side(k_ptr, sk_b, sk_h, sk_t, ak_ptr, muk_ptr, kout_ptr, kc_ptr, km_ptr, ks_ptr, kr_ptr, bt_ptr,
+                    b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
+                    ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, kclip_lo, kclip_frac, S, W, MAX_PAGES,
+                    PS, BLOCK_T, D, NG, K_CLIP, HAS_RING)
+    else:
+        _store_side(v_ptr, sv_b, sv_h, sv_t, av_ptr, muv_ptr, vout_ptr, vc_ptr, vm_ptr, vs_ptr, vr_ptr, bt_ptr,
+                    b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
+                    ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, vclip_lo, vclip_frac, S, W, MAX_PAGES,
+                    PS, BLOCK_T, D, NG, V_CLIP, HAS_RING)
 
 
 def _clip_args(ratio: float, d: int) -> tuple[int, float, bool]:
@@ -202,7 +206,7 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
     f32 = lambda x: x.float().contiguous()  # noqa: E731
     warps = 8 if d >= 256 else 4
     bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    grid = (b, triton.cdiv(t, block_t), h)
+    grid = (b, triton.cdiv(t, block_t), 2 * h)  # keys: heads 0..h-1, values: h..2h-1
     LAST_LAUNCH["store"] = _store_kernel[grid](
         k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         pos, pos.stride(0), first, last, t,
@@ -210,7 +214,7 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
         k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, bt, bt.stride(0),
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_meta.stride(0), k_meta.stride(1), k_meta.stride(2),
         k_sink.stride(0), k_sink.stride(1), k_sink.stride(2), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
-        k_out.stride(0), k_out.stride(1), k_out.stride(2), kl, kf, vl, vf, geo.num_sinks, geo.window, geo.max_pages,
+        k_out.stride(0), k_out.stride(1), k_out.stride(2), kl, kf, vl, vf, geo.num_sinks, geo.window, geo.max_pages, h,
         PS=geo.page_size, BLOCK_T=block_t, D=d, NG=geo.num_groups, K_CLIP=kc, V_CLIP=vc, HAS_RING=geo.window > 0,
         num_warps=warps,
     )
