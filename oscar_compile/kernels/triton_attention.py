@@ -456,7 +456,10 @@ def num_splits(batch: int, kv_heads: int, m_blocks: int, page_keys: int, block_n
     """Splits of the page region so that even one long sequence fills the GPU (from shapes only)."""
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
     base = max(1, batch * kv_heads * m_blocks)
-    want = -(-4 * sms // base)  # about four programs per SM
+    # About two programs per SM (two fit at ~250 registers). Four, the earlier choice, measured slower on
+    # the H200 (results/decode_attention_h200_probe.json, half the splits: 1 x 128K 181 vs 207 us,
+    # 1 x 32K 80 vs 87, 32 x 32K 1101 vs 1111, 64 x 4K 348 vs 344).
+    want = -(-2 * sms // base)
     most = max(1, -(-page_keys // (4 * block_n)))  # at least four key blocks per split
     return int(max(1, min(want, most, 128)))
 
