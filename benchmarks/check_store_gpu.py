@@ -10,48 +10,28 @@ reference quantizer applied to the Triton kernel's *own* rows (isolates the quan
 
 import torch
 
-from oscar_compile import PagedInt2KVCache
 from oscar_compile.kernels.store import store_reference
 from oscar_compile.kernels.triton_store import store_triton
 from oscar_compile.quant import quantize_int2
-from oscar_compile.testing import random_transforms
+from oscar_compile.testing import twin_caches
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _twins(h, d, batch, max_len, dtype, clip):
-    tr = random_transforms(h, d, "orthogonal", torch.Generator().manual_seed(0), clip=clip)
-    out = []
-    for _ in range(2):
-        c = PagedInt2KVCache(1, h, d, max_batch_size=batch, max_seq_len=max_len, num_sinks=64, window=256,
-                             page_size=16, dtype=dtype, device=DEV)
-        c.set_transforms(0, tr)
-        for r in range(batch):
-            c.allocate(r, max_len)
-        out.append(c)
-    return out
-
-
-def _args(c, k, v, pos):
-    tr = c.transforms[0]
-    return (k, v, pos, *c.layers[0].tensors(), c.block_table, tr.key_transform, tr.key_mean, tr.value_transform,
-            tr.value_mean, tr.key_clip, tr.value_clip)
 
 
 def case(dtype, clip, path, h=4, d=128, batch=2, n=700, steps=40):
     gen = torch.Generator(device=DEV).manual_seed(1)
     prefill = n if path == "prefill" else 300
-    ref, got = _twins(h, d, batch, prefill + steps + 1, dtype, clip)
+    ref, got = twin_caches(h, d, batch, prefill + steps + 1, 64, 256, 16, dtype=dtype, clip=clip, device=DEV)
     k, v = (torch.randn(batch, h, prefill, d, device=DEV, generator=gen).to(dtype) for _ in range(2))
     pos = torch.arange(prefill, device=DEV)
-    kr, _ = store_reference(*_args(ref, k, v, pos))
-    kg, _ = store_triton(*_args(got, k, v, pos))
+    kr, _ = store_reference(*ref.store_args(0, k, v, pos))
+    kg, _ = store_triton(*got.store_args(0, k, v, pos))
     if path == "decode":
         for i in range(steps):
             p1 = torch.full((batch, 1), prefill + i, device=DEV)
             k1, v1 = (torch.randn(batch, h, 1, d, device=DEV, generator=gen).to(dtype) for _ in range(2))
-            store_reference(*_args(ref, k1, v1, p1))
-            store_triton(*_args(got, k1, v1, p1))
+            store_reference(*ref.store_args(0, k1, v1, p1))
+            store_triton(*got.store_args(0, k1, v1, p1))
     lr, lg = ref.layers[0], got.layers[0]
     n_q = max(0, (prefill + (steps if path == "decode" else 0)) - 64 - 256)  # quantized tokens per row
     pages = ref.block_table[:, : (n_q + 15) // 16].long()

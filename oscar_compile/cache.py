@@ -308,15 +308,31 @@ class PagedInt2KVCache:
     def _op_args(self, layer: int):
         return (*self.layers[layer].tensors(), self.block_table)
 
+    def store_args(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """The arguments of ``oscar::store`` that :meth:`store` passes (to call an implementation directly)."""
+        tr = self.transforms[layer]
+        return (k, v, positions, *self._op_args(layer), tr.key_transform, tr.key_mean, tr.value_transform,
+                tr.value_mean, tr.key_clip, tr.value_clip)
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Write ``k, v [B, kv_heads, T, d]`` at ``positions [T] or [B, T]`` (negative = padding).
 
         Returns the transformed chunk ``(k', v') [B, T, kv_heads, d]``; pass it to :meth:`attention`
         as ``chunk=(k', v', positions)`` so the chunk attends to itself exactly.
         """
+        return ops.store(*self.store_args(layer, k, v, positions))
+
+    def attention_args(self, layer: int, q: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None = None,
+                       attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
+                       chunk: tuple | None = None) -> tuple:
+        """The arguments of ``oscar::attention`` that :meth:`attention` passes (defaults resolved there)."""
         tr = self.transforms[layer]
-        return ops.store(k, v, positions, *self._op_args(layer), tr.key_transform, tr.key_mean, tr.value_transform,
-                         tr.value_mean, tr.key_clip, tr.value_clip)
+        scale = self.head_dim**-0.5 if scale is None else float(scale)
+        if seq_lens is None:
+            seq_lens = (positions.amax(dim=-1) + 1).clamp(min=0).reshape(-1)
+        k_chunk, v_chunk, chunk_positions = chunk if chunk is not None else (None, None, None)
+        return (q, positions, seq_lens, *self._op_args(layer), tr.query_transform, tr.output_transform, tr.value_mean,
+                attn_mask, is_causal, scale, k_chunk, v_chunk, chunk_positions)
 
     def attention(
         self,
@@ -335,13 +351,7 @@ class PagedInt2KVCache:
         right for self-attention right after ``store`` of the same positions. ``chunk`` is
         ``(k', v', chunk_positions)``: the newest tokens, read exactly (see :meth:`store`).
         """
-        tr = self.transforms[layer]
-        scale = self.head_dim**-0.5 if scale is None else float(scale)
-        if seq_lens is None:
-            seq_lens = (positions.amax(dim=-1) + 1).clamp(min=0).reshape(-1)
-        k_chunk, v_chunk, chunk_positions = chunk if chunk is not None else (None, None, None)
-        return ops.attention(q, positions, seq_lens, *self._op_args(layer), tr.query_transform, tr.output_transform,
-                             tr.value_mean, attn_mask, is_causal, scale, k_chunk, v_chunk, chunk_positions)
+        return ops.attention(*self.attention_args(layer, q, positions, seq_lens, attn_mask, is_causal, scale, chunk))
 
     def reset(self) -> None:
         """Forget every row (pages return to the pool; buffers are not cleared, they are never read unwritten)."""

@@ -7,19 +7,6 @@ from oscar_compile import PagedInt2KVCache
 from oscar_compile.testing import CacheOracle, random_transforms, rel_error
 
 
-def _store_args(cache, layer, k, v, pos):
-    tr = cache.transforms[layer]
-    return (k, v, pos, *cache.layers[layer].tensors(), cache.block_table, tr.key_transform, tr.key_mean,
-            tr.value_transform, tr.value_mean, tr.key_clip, tr.value_clip)
-
-
-def _attn_args(cache, layer, q, pos, mask=None, causal=False):
-    tr = cache.transforms[layer]
-    seq_lens = (pos.amax(-1) + 1).reshape(-1)
-    return (q, pos, seq_lens, *cache.layers[layer].tensors(), cache.block_table, tr.query_transform, tr.output_transform,
-            tr.value_mean, mask, causal, q.shape[-1] ** -0.5)
-
-
 def _filled_cache(gen, h=2, d=16, lengths=(21, 9), **kw):
     kw = {"max_seq_len": 64, "num_sinks": 3, "window": 5, "page_size": 4, "max_batch_size": len(lengths), **kw}
     cache = PagedInt2KVCache(1, h, d, **kw)
@@ -41,13 +28,13 @@ def test_opcheck_store_and_attention():
     step = pos.max(dim=1, keepdim=True).values + 1
     for row in range(b):
         cache.allocate(row, int(step[row]) + 1)
-    torch.library.opcheck(torch.ops.oscar.store.default, _store_args(cache, 0, k, v, step))
+    torch.library.opcheck(torch.ops.oscar.store.default, cache.store_args(0, k, v, step))
     q = torch.randn(b, 3 * h, 1, d, generator=gen)
-    torch.library.opcheck(torch.ops.oscar.attention.default, _attn_args(cache, 0, q, step))
+    torch.library.opcheck(torch.ops.oscar.attention.default, cache.attention_args(0, q, step))
     q = torch.randn(b, 3 * h, 4, d, generator=gen)
     qpos = torch.stack([torch.arange(4) + int(step[r]) - 3 for r in range(b)])
     mask = torch.rand(b, 1, 4, 40, generator=gen) > 0.3
-    torch.library.opcheck(torch.ops.oscar.attention.default, _attn_args(cache, 0, q, qpos, mask, True))
+    torch.library.opcheck(torch.ops.oscar.attention.default, cache.attention_args(0, q, qpos, attn_mask=mask, is_causal=True))
 
 
 def test_store_declares_exactly_what_it_mutates():

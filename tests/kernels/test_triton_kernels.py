@@ -21,35 +21,10 @@ from oscar_compile.kernels.store import store_reference
 from oscar_compile.kernels.triton_attention import attention_triton
 from oscar_compile.kernels.triton_store import store_triton
 from oscar_compile.quant import dequantize_int2
-from oscar_compile.testing import random_transforms, rel_error
+from oscar_compile.testing import rel_error, twin_caches
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ATTN_TOL = 5e-3
-
-
-def _twin_caches(h, d, batch, max_len, s, w, ps, group=None, dtype=torch.float32, kind="orthogonal", clip=1.0, seed=0):
-    caches = []
-    tr = random_transforms(h, d, kind, torch.Generator().manual_seed(seed), clip=clip)
-    for _ in range(2):
-        c = PagedInt2KVCache(1, h, d, max_batch_size=batch, max_seq_len=max_len, num_sinks=s, window=w, page_size=ps,
-                             group_size=group, dtype=dtype, device=DEV)
-        c.set_transforms(0, tr)
-        for r in range(batch):
-            c.allocate(r, max_len)
-        caches.append(c)
-    return caches
-
-
-def _store_args(c, k, v, pos):
-    tr = c.transforms[0]
-    return (k, v, pos, *c.layers[0].tensors(), c.block_table, tr.key_transform, tr.key_mean, tr.value_transform,
-            tr.value_mean, tr.key_clip, tr.value_clip)
-
-
-def _attn_args(c, q, pos, seq_lens, mask=None, causal=False, chunk=(None, None, None)):
-    tr = c.transforms[0]
-    return (q, pos, seq_lens, *c.layers[0].tensors(), c.block_table, tr.query_transform, tr.output_transform,
-            tr.value_mean, mask, causal, q.shape[-1] ** -0.5, *chunk)
 
 
 def _row_tol(dtype):
@@ -81,12 +56,12 @@ def _run_case(h, gqa, d, lengths, s, w, ps, decode_steps, group=None, clip=1.0, 
               dtype=torch.float32, seed=0, **kernel_options):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     batch, max_len = len(lengths), max(lengths) + decode_steps + 1
-    ref, got = _twin_caches(h, d, batch, max_len, s, w, ps, group, dtype, kind, clip, seed)
+    ref, got = twin_caches(h, d, batch, max_len, s, w, ps, group, dtype, kind, clip, seed, device=DEV)
     t = max(lengths)
     pos = torch.stack([torch.where(torch.arange(t) < n, torch.arange(t), -1) for n in lengths]).to(DEV)
     k, v = (torch.randn(batch, h, t, d, generator=gen).to(DEV, dtype) for _ in range(2))
-    ck_r, cv_r = store_reference(*_store_args(ref, k, v, pos))
-    ck_g, cv_g = store_triton(*_store_args(got, k, v, pos))
+    ck_r, cv_r = store_reference(*ref.store_args(0, k, v, pos))
+    ck_g, cv_g = store_triton(*got.store_args(0, k, v, pos))
     valid = pos >= 0
     rtol, atol = _row_tol(dtype)
     torch.testing.assert_close(ck_g[valid].float(), ck_r[valid].float(), rtol=rtol, atol=atol)
@@ -99,7 +74,7 @@ def _run_case(h, gqa, d, lengths, s, w, ps, decode_steps, group=None, clip=1.0, 
         keep[..., 0] = True
         mask = keep if mask_kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
         mask = mask.to(DEV)
-    a = _attn_args(ref, q, pos, seq_lens, mask, mask is None, (ck_r, cv_r, pos))
+    a = ref.attention_args(0, q, pos, seq_lens, mask, mask is None, chunk=(ck_r, cv_r, pos))
     out_r = attention_reference(*a)
     out_g = attention_triton(*a, **kernel_options)
     assert rel_error(out_g, out_r) < ATTN_TOL
@@ -107,10 +82,10 @@ def _run_case(h, gqa, d, lengths, s, w, ps, decode_steps, group=None, clip=1.0, 
     for _ in range(decode_steps):
         p1 = torch.tensor(lens, device=DEV)[:, None]
         k1, v1 = (torch.randn(batch, h, 1, d, generator=gen).to(DEV, dtype) for _ in range(2))
-        store_reference(*_store_args(ref, k1, v1, p1))
-        store_triton(*_store_args(got, k1, v1, p1))
+        store_reference(*ref.store_args(0, k1, v1, p1))
+        store_triton(*got.store_args(0, k1, v1, p1))
         q1 = torch.randn(batch, h * gqa, 1, d, generator=gen).to(DEV, dtype)
-        a = _attn_args(ref, q1, p1, p1[:, 0] + 1)
+        a = ref.attention_args(0, q1, p1, p1[:, 0] + 1)
         assert rel_error(attention_triton(*a, **kernel_options), attention_reference(*a)) < ATTN_TOL
         lens = [n + 1 for n in lens]
     _assert_same_cache(ref, got)
@@ -138,12 +113,12 @@ def test_clip_quantile_with_tied_magnitudes_small():
     # integer-valued rows: |x| has many ties, at and around the clip quantile (the kernel finds the
     # quantile by maxima and tie counts, the reference by sorting; they must agree exactly)
     h, d, n = 2, 64, 40
-    ref, got = _twin_caches(h, d, 1, n, 0, 0, 8, None, torch.float32, "identity", clip=0.9)
+    ref, got = twin_caches(h, d, 1, n, 0, 0, 8, None, torch.float32, "identity", clip=0.9, device=DEV)
     gen = torch.Generator().manual_seed(5)
     k, v = (torch.randint(-4, 5, (1, h, n, d), generator=gen).float().to(DEV) for _ in range(2))
     pos = torch.arange(n, device=DEV)
-    store_reference(*_store_args(ref, k, v, pos))
-    store_triton(*_store_args(got, k, v, pos))
+    store_reference(*ref.store_args(0, k, v, pos))
+    store_triton(*got.store_args(0, k, v, pos))
     for name in ("k_meta", "v_meta", "k_codes", "v_codes"):
         torch.testing.assert_close(getattr(got.layers[0], name), getattr(ref.layers[0], name), rtol=0, atol=0)
 
@@ -187,12 +162,13 @@ def test_4000_step_decode_with_cuda_graph_replay():
     """One decode step (store + attention) captured in a CUDA graph and replayed 4,000 times; every
     step is checked against the reference ops run on a twin cache (a degenerating kernel fails here)."""
     h, gqa, d, batch, steps, prefill = 8, 4, 128, 2, 4000, 100
-    ref, got = _twin_caches(h, d, batch, prefill + steps + 1, 64, 256, 16, None, torch.bfloat16, "orthogonal", 0.95)
+    ref, got = twin_caches(h, d, batch, prefill + steps + 1, 64, 256, 16, None, torch.bfloat16, "orthogonal", 0.95,
+                           device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     k, v = (torch.randn(batch, h, prefill, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
     pos = torch.arange(prefill, device="cuda")
-    store_reference(*_store_args(ref, k, v, pos))
-    store_triton(*_store_args(got, k, v, pos))
+    store_reference(*ref.store_args(0, k, v, pos))
+    store_triton(*got.store_args(0, k, v, pos))
     # static buffers the graph reads; refilled before every replay
     p1 = torch.full((batch, 1), prefill, device="cuda", dtype=torch.long)
     k1 = torch.empty(batch, h, 1, d, device="cuda", dtype=torch.bfloat16)
@@ -203,12 +179,12 @@ def test_4000_step_decode_with_cuda_graph_replay():
             x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
 
     def step():
-        store_triton(*_store_args(got, k1, v1, p1))
-        return attention_triton(*_attn_args(got, q1, p1, p1[:, 0] + 1))
+        store_triton(*got.store_args(0, k1, v1, p1))
+        return attention_triton(*got.attention_args(0, q1, p1, p1[:, 0] + 1))
 
     def check(out):
-        store_reference(*_store_args(ref, k1, v1, p1))
-        err = rel_error(out, attention_reference(*_attn_args(ref, q1, p1, p1[:, 0] + 1)))
+        store_reference(*ref.store_args(0, k1, v1, p1))
+        err = rel_error(out, attention_reference(*ref.attention_args(0, q1, p1, p1[:, 0] + 1)))
         assert err < ATTN_TOL, (int(p1[0, 0]), err)
         return err
 
