@@ -86,12 +86,12 @@ def kernel_breakdown(fn, n=20) -> dict:
     kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and "elementwise" not in e.name
                       and "fill" not in e.name.lower()), key=lambda e: e.time_range.start)
     out: dict = {}
-    seen: dict = {}
-    for e in kernels:  # the page and BF16 launches share a kernel name: label them by order within a call
-        name = {"_attn_kernel": "pages"}.get(e.name, e.name[:48])
+    split_launches = 0
+    for e in kernels:  # the page and BF16 launches share a kernel name: they alternate within a call
+        name = e.name[:48]
         if e.name == "_attn_kernel":
-            seen[e.name] = seen.get(e.name, 0) + 1
-            name = "pages" if seen[e.name] % 2 else "bf16_keys"
+            name = "pages" if split_launches % 2 == 0 else "bf16_keys"
+            split_launches += 1
         out[name] = out.get(name, 0.0) + e.time_range.elapsed_us() / n
     return out
 

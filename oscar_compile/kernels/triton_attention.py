@@ -271,7 +271,7 @@ def _attn_kernel(
     # (the mask loads of a non-causal decode are not otherwise guarded by row_ok; on the GPU they faulted).
     row_t = tl.where(row_ok, r // G, 0)
     row_hq = h * G + r % G
-    row_pos = tl.load(pos_ptr + b * sp_b + tl.where(row_ok, row_t, 0), mask=row_ok, other=-1).to(tl.int64)
+    row_pos = tl.load(pos_ptr + b * sp_b + row_t, mask=row_ok, other=-1).to(tl.int64)
     length = tl.load(len_ptr + b * sl_b).to(tl.int64)
     if HAS_CHUNK:
         c0 = tl.load(c0_ptr + b).to(tl.int64)
@@ -432,9 +432,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs n
 
 @functools.lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
-    if not torch.cuda.is_available():
-        return 8
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (8 off the GPU: the interpreter's split heuristics)."""
+    return _num_sms(device.index or 0) if device.type == "cuda" and torch.cuda.is_available() else 8
 
 
 def _aligned16(*tensors: torch.Tensor) -> bool:
@@ -454,7 +457,7 @@ def _as_words(codes: torch.Tensor) -> torch.Tensor:
 
 def num_splits(batch: int, kv_heads: int, m_blocks: int, page_keys: int, block_n: int, device) -> int:
     """Splits of the page region so that even one long sequence fills the GPU (from shapes only)."""
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
+    sms = _sm_count(device)
     base = max(1, batch * kv_heads * m_blocks)
     # About two programs per SM (two fit at ~250 registers). Four, the earlier choice, measured slower on
     # the H200 (results/decode_attention_h200_probe.json, half the splits: 1 x 128K 181 vs 207 us,
@@ -500,9 +503,8 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     # At small batch that is too few programs (8 at batch 1: latency-bound), so also aim for ~2 per SM.
     bf16_keys = geo.num_sinks + geo.window + t
     bn_bf16 = 64
-    sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 8
-    fill = triton.cdiv(bf16_keys, max(1, 2 * sms // (b * h * m_blocks)))
-    bf16_per_split = triton.cdiv(min(max(keys_per_split // 7, 1), max(fill, 1)), bn_bf16) * bn_bf16
+    fill = triton.cdiv(bf16_keys, max(1, 2 * _sm_count(dev) // (b * h * m_blocks)))
+    bf16_per_split = triton.cdiv(min(max(keys_per_split // 7, 1), fill), bn_bf16) * bn_bf16
     nb = triton.cdiv(bf16_keys, bf16_per_split)
     ns = nsplit + nb
     part_m = torch.empty(b * h * m_total * ns, dtype=torch.float32, device=dev)
