@@ -149,21 +149,18 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.models.split(","):
-            tokens = {}
+            tokens, spec_rows = {}, {}
             for config in args.configs.split(","):
-                row, tok = run_isolated(spec, config, args, tmp)
+                spec_rows[config], tok = run_isolated(spec, config, args, tmp)
                 if tok is not None:
                     tokens[config] = tok
-                    ref = next((k for k in ("eager", "inductor", "inductor-ro") if k in tokens), None)
-                    if ref and ref != config:
-                        row["tokens_equal_to"] = {CONFIGS[ref][0]: float((tok == tokens[ref]).float().mean())}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            for config, tok in tokens.items():  # configs run before the BF16 reference existed
-                row = next(r for r in rows if r["model"] == spec.partition(":")[0] and r["config"] == CONFIGS[config][0])
-                ref = next((k for k in ("eager", "inductor", "inductor-ro") if k in tokens), None)
-                if ref and ref != config and "tokens_equal_to" not in row:
-                    row["tokens_equal_to"] = {CONFIGS[ref][0]: float((tok == tokens[ref]).float().mean())}
+                print(json.dumps(spec_rows[config]), flush=True)
+            # greedy tokens against the first BF16 configuration that ran, whatever the order
+            ref = next((k for k in ("eager", "inductor", "inductor-ro") if k in tokens), None)
+            for config, tok in tokens.items():
+                if ref and config != ref:
+                    spec_rows[config]["tokens_equal_to"] = {CONFIGS[ref][0]: float((tok == tokens[ref]).float().mean())}
+            rows += spec_rows.values()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
                                           "transformers": transformers.__version__, "rows": rows}, indent=2))
