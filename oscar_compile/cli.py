@@ -42,7 +42,7 @@ def _eval(args) -> int:
     names = args.methods.split(",")
     needs_stats = [n for n in names if n not in ("bf16", "kivi")]
     # cached per (model, method, tokens) like the demo's: a second eval run does not recalibrate
-    artifacts, _ = cached_artifacts_for(model, tok, args.model, needs_stats, args.calib_tokens) if needs_stats else ({}, set())
+    artifacts, _ = cached_artifacts_for(model, tok, args.model, needs_stats, args.calib_tokens)
     methods = []
     for n in names:
         if n == "bf16":

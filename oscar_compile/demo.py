@@ -41,18 +41,21 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
     from .assets import cache_dir, load_text
     from .calibration import ArtifactError, collect_statistics, derive_artifacts, load_artifacts, parse_method, token_batches
 
+    def path(method):
+        return cache_dir() / "artifacts" / f"{model_name}-{parse_method(method).name}-{tokens}"
+
     found, cached = {}, set()
-    for method in dict.fromkeys(methods):
-        path = cache_dir() / "artifacts" / f"{model_name}-{parse_method(method).name}-{tokens}"
-        if (path / "oscar.json").exists():
+    wanted = list(dict.fromkeys(methods))  # unique, in order
+    for method in wanted:
+        if (path(method) / "oscar.json").exists():
             try:
-                art = load_artifacts(path)
+                art = load_artifacts(path(method))
                 art.validate(model)
                 found[method] = art
                 cached.add(method)
             except ArtifactError as e:
-                print(f"oscar: cached artifacts at {path} unusable ({e}); recalibrating")
-    missing = [m for m in dict.fromkeys(methods) if m not in found]
+                print(f"oscar: cached artifacts at {path(method)} unusable ({e}); recalibrating")
+    missing = [m for m in wanted if m not in found]
     if missing:
         text_name = calibration_text_name()
         tok_ids = tok(load_text(text_name), return_tensors="pt").input_ids[0]
@@ -61,7 +64,7 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
         stats = collect_statistics(model, batches, data_description=text_name, progress=progress)
         for method in missing:
             found[method] = derive_artifacts(stats, method)
-            found[method].save(cache_dir() / "artifacts" / f"{model_name}-{parse_method(method).name}-{tokens}")
+            found[method].save(path(method))
     return found, cached
 
 
