@@ -237,13 +237,17 @@ from .hf import cache_kwarg, make_hf_cache  # noqa: E402,F401  (re-exported for 
 
 @torch.no_grad()
 def prefill_and_decode(model, ids: torch.Tensor, cache, steps: int) -> torch.Tensor:
-    """Logits of a prefill of ``ids`` then ``steps`` greedy decode steps, concatenated over time."""
+    """Logits of a prefill of ``ids`` then ``steps`` greedy decode steps, concatenated over time.
+
+    Each step's logits are cloned: under CUDA graphs (mode="reduce-overhead") an output lives in the graph's
+    memory pool and the next replay overwrites it.
+    """
     kw = cache_kwarg(getattr(model, "_orig_mod", model))
     out = model(ids, **{kw: cache}, use_cache=True)
-    logits = [out.logits]
-    tok = out.logits[:, -1:].argmax(-1)
+    logits = [out.logits.clone()]
+    tok = logits[-1][:, -1:].argmax(-1)
     for _ in range(steps):
         out = model(tok, **{kw: cache}, use_cache=True)
-        logits.append(out.logits)
-        tok = out.logits[:, -1:].argmax(-1)
+        logits.append(out.logits.clone())
+        tok = logits[-1][:, -1:].argmax(-1)
     return torch.cat(logits, dim=1)
