@@ -150,7 +150,7 @@ def test_fuzz_small():
         _run_case(**_random_case(rng, case, 64, 60))
 
 
-FUZZ_CASES, FUZZ_SHARDS = 504, 8
+FUZZ_CASES, FUZZ_SHARDS = 512, 16
 
 
 @pytest.mark.gpu
