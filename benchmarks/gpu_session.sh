@@ -13,10 +13,12 @@ for step in "${@:-tests bench}"; do for s in $step; do
     probe) timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/bench_decode.py --profile --no-store --name decode_probe --out "$OUT" \
              --configs "${PROBE_CONFIGS:-[]}" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | tee "$OUT/probe.log" ;;
     tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/passes --ignore=tests/passes/test_explain.py -k "not fuzz ${TESTS_K:+and $TESTS_K}" 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-    fuzz) for i in $(seq 0 15); do  # one process a shard (16: the host has 16 cores): Triton compiles in parallel on the host's cores
-            timeout ${FUZZ_TIMEOUT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider \
+    fuzz) for i in $(seq 0 15); do  # one process a shard (the host has 16 cores): Triton compiles in parallel
+            timeout ${FUZZ_TIMEOUT:-400} python3 -m pytest -q -s -m gpu -p no:cacheprovider \
               "tests/kernels/test_triton_kernels.py::test_fuzz_500_cases_gpu[$i]" > "$OUT/fuzz$i.log" 2>&1 &
-          done; wait; tail -qn 1 "$OUT"/fuzz*.log; grep -h -A3 "fuzz case" "$OUT"/fuzz*.log | head -20 ;;
+          done; wait
+          echo "fuzz cases passed: $(cat "$OUT"/fuzz*.log | grep -c "fuzz case ok") of 512; shards passed: $(grep -l " passed" "$OUT"/fuzz*.log | wc -l) of 16"
+          grep -h -B2 -A6 "AssertionError: fuzz case\|Error" "$OUT"/fuzz*.log | grep -v DEBUG | head -40 ;;
     bench) timeout 210 python3 benchmarks/bench_decode.py --sweep --profile --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^    " ;;
     e2e) timeout 400 python3 benchmarks/e2e_gpu.py --models "${E2E_MODELS:-smollm2,llama3-8b:8}" --configs "${E2E_CONFIGS:-int2,eager}" \
            --config-timeout 120 --out "$OUT/e2e_h200.json" 2>&1 | tee "$OUT/e2e.log" | grep "^{" ;;
