@@ -111,6 +111,8 @@ def extra_variants() -> dict:
         "pages, bool mask": lambda: compile_attention(d=64, block_m=32, region=0, prefill=True, mask_kind=1),
         "bf16 keys, additive mask": lambda: compile_attention(d=128, block_m=16, block_n=64, region=1, mask_kind=2),
         "pages, 2 groups": lambda: compile_attention(d=128, block_m=16, region=0, ng=2),
+        "pages, Triton pipelining": lambda: compile_attention(d=128, block_m=16, region=0, pipe=3),
+        "pages, 2 warps": lambda: compile_attention(d=128, block_m=16, region=0, num_warps=2),
         "store, 2 groups, no clip": lambda: compile_store(d=128, ng=2, clip=False),
     }
 

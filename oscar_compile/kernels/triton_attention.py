@@ -25,7 +25,9 @@ so the inner loop issues only the unpacking and two ``tl.dot`` (fp16 tensor core
 dequantize per element. Four launches: the query is rotated once per row (``q B_q``), the INT2
 pages and the BF16 keys run as two launches of the split kernel (registers of their own), and the
 merge kernel combines the splits and un-rotates the output. ``ablate`` switches off stages for
-measurements (1: values, 2: key dot, 4: everything but the loads).
+measurements (1: values, 2: key dot, 4: everything but the loads). ``pipeline=N`` replaces the hand
+prefetch by Triton's software pipelining (N stages through shared memory): fewer registers, but
+slower on the H200 (results/decode_attention_h200_probe_pipeline.json); kept for experiments.
 """
 
 from __future__ import annotations
