@@ -229,7 +229,10 @@ def _online_softmax(s, m_i, l_i):
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
-@triton.jit
+# Sizes that change from call to call (prompt length, split counts, sinks/window in use) are not
+# specialised: Triton would otherwise compile a variant per value class (1, multiple of 16, other) of
+# each, i.e. recompile on new prompt lengths while serving. Strides keep their specialisation (vector loads).
+@triton.jit(do_not_specialize=["M_TOTAL"])
 def _query_kernel(q_ptr, sq_b, sq_h, sq_t, bq_ptr, qq_ptr, M_TOTAL, qk_scale, H: tl.constexpr, G: tl.constexpr,
                   D: tl.constexpr, BLOCK_M: tl.constexpr, KC: tl.constexpr):
     """``q' = q B_q * scale * log2(e)`` once per row (not once per split), in the tensor-core dtype."""
@@ -245,7 +248,8 @@ def _query_kernel(q_ptr, sq_b, sq_h, sq_t, bq_ptr, qq_ptr, M_TOTAL, qk_scale, H:
              mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sp_b", "T", "M_TOTAL", "keys_per_split", "bf16_per_split", "S", "W", "NSPLIT", "NS",
+                               "mask_len"])
 def _attn_kernel(
     qq_ptr, pos_ptr, sp_b, len_ptr, sl_b,
     c0_ptr, cend_ptr, kch_ptr, vch_ptr, sch_b, sch_t, sch_h,
@@ -383,7 +387,7 @@ def _attn_kernel(
     tl.store(part_o_ptr + base[:, None] * D + uperm[None, :], acc, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sp_b", "M_TOTAL", "NS"])
 def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, so_b, so_h, so_t, pos_ptr, sp_b,
                   M_TOTAL, NS, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                   BLOCK_M: tl.constexpr, KC: tl.constexpr, SB: tl.constexpr):
