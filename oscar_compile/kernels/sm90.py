@@ -15,9 +15,11 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-# Sizes that are rarely multiples of 16 at a launch; every other integer argument (strides) is.
+# Arguments the kernels do not specialise (``do_not_specialize``) and sizes rarely multiples of 16 at a
+# launch; every other integer argument (strides) is taken as one.
 NOT_DIVISIBLE = {"T", "M_TOTAL", "S", "W", "NSPLIT", "NS", "mask_len", "sp_b", "sbt_b", "sc_s", "sm_s", "sm_h",
-                 "keys_per_split", "bf16_per_split", "stride_bt_b", "MAX_PAGES", "kclip_lo", "vclip_lo", "NH"}
+                 "keys_per_split", "bf16_per_split", "stride_bt_b", "MAX_PAGES", "kclip_lo", "vclip_lo", "NH",
+                 "smk_b", "smk_h", "smk_t"}
 FLOATS = {"qk_scale", "kclip_frac", "vclip_frac"}
 
 ATTENTION_POINTERS = {

@@ -231,7 +231,8 @@ def _online_softmax(s, m_i, l_i):
 
 # Sizes that change from call to call (prompt length, split counts, sinks/window in use) are not
 # specialised: Triton would otherwise compile a variant per value class (1, multiple of 16, other) of
-# each, i.e. recompile on new prompt lengths while serving. Strides keep their specialisation (vector loads).
+# each, i.e. recompile on new prompt lengths while serving. So are strides that follow those sizes (positions,
+# block table, mask rows); the other strides keep their specialisation (vector loads).
 @triton.jit(do_not_specialize=["M_TOTAL"])
 def _query_kernel(q_ptr, sq_b, sq_h, sq_t, bq_ptr, qq_ptr, M_TOTAL, qk_scale, H: tl.constexpr, G: tl.constexpr,
                   D: tl.constexpr, BLOCK_M: tl.constexpr, KC: tl.constexpr):
@@ -248,8 +249,8 @@ def _query_kernel(q_ptr, sq_b, sq_h, sq_t, bq_ptr, qq_ptr, M_TOTAL, qk_scale, H:
              mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["sp_b", "T", "M_TOTAL", "keys_per_split", "bf16_per_split", "S", "W", "NSPLIT", "NS",
-                               "mask_len"])
+@triton.jit(do_not_specialize=["sp_b", "sbt_b", "smk_b", "smk_h", "smk_t", "T", "M_TOTAL", "keys_per_split",
+                               "bf16_per_split", "S", "W", "NSPLIT", "NS", "mask_len"])
 def _attn_kernel(
     qq_ptr, pos_ptr, sp_b, len_ptr, sl_b,
     c0_ptr, cend_ptr, kch_ptr, vch_ptr, sch_b, sch_t, sch_h,

@@ -144,7 +144,7 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
 
 
 # Per-call sizes and per-layer clip indices are not specialised (no recompiles on new prompt lengths).
-@triton.jit(do_not_specialize=["sp_b", "T", "S", "W", "kclip_lo", "vclip_lo"])
+@triton.jit(do_not_specialize=["sp_b", "stride_bt_b", "T", "S", "W", "kclip_lo", "vclip_lo"])
 def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                   pos_ptr, sp_b, first_ptr, last_ptr, T,
                   ak_ptr, muk_ptr, av_ptr, muv_ptr, kout_ptr, vout_ptr,
