@@ -5,13 +5,14 @@
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/oscar-gpu}
 mkdir -p "$OUT"
+DEFAULT_PROBE='[{"page_warps": 2}, {"page_warps": 2, "splits": 2.0}]'  # candidates for the next default
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
 for step in "${@:-tests bench}"; do for s in $step; do
   echo "=== $s ($(date +%T))"
   case $s in
     store) timeout 90 python3 benchmarks/check_store_gpu.py 2>&1 | tee "$OUT/store.log" ;;
     probe) timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/bench_decode.py --profile --no-store --name decode_probe --out "$OUT" \
-             --configs "${PROBE_CONFIGS:-[]}" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | tee "$OUT/probe.log" ;;
+             --configs "${PROBE_CONFIGS:-$DEFAULT_PROBE}" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | tee "$OUT/probe.log" ;;
     tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/passes --ignore=tests/passes/test_explain.py -k "not fuzz ${TESTS_K:+and $TESTS_K}" 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     fuzz) for i in $(seq 0 15); do  # one process a shard (the host has 16 cores): Triton compiles in parallel
             timeout ${FUZZ_TIMEOUT:-400} python3 -m pytest -q -s -m gpu -p no:cacheprovider \

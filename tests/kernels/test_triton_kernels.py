@@ -131,6 +131,14 @@ def test_full_shapes_gpu(d, gqa):
               kind="invertible", dtype=torch.bfloat16, seed=d + gqa)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_page_region_with_two_warps_gpu(d):
+    # a launch option measured faster at large batch (README); checked before it can become a default
+    _run_case(h=8, gqa=4, d=d, lengths=(700, 129), s=64, w=256, ps=16, decode_steps=3, clip=0.95,
+              kind="invertible", dtype=torch.bfloat16, seed=d, page_warps=2)
+
+
 def _random_variant(rng: random.Random, d: int) -> dict:
     """What Triton compiles a kernel for (compile-time constants): heads, GQA ratio, group, page size, ring
     or not, mask kind, cache dtype, clipping or not."""
