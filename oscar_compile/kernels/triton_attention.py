@@ -25,9 +25,9 @@ so the inner loop issues only the unpacking and two ``tl.dot`` (fp16 tensor core
 dequantize per element. Four launches: the query is rotated once per row (``q B_q``), the INT2
 pages and the BF16 keys run as two launches of the split kernel (registers of their own), and the
 merge kernel combines the splits and un-rotates the output. ``ablate`` switches off stages for
-measurements (1: values, 2: key dot, 4: everything but the loads). ``pipeline=N`` replaces the hand
-prefetch by Triton's software pipelining (N stages through shared memory): fewer registers, but
-slower on the H200 (results/decode_attention_h200_probe_pipeline.json); kept for experiments.
+measurements (1: values, 2: key dot, 4: everything but the loads). Triton's own software pipelining
+in place of the hand prefetch was measured slower on the H200 and removed
+(results/decode_attention_h200_probe_pipeline.json, configs ``pipeline``; commit 419d305 has the code).
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def _attn_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, PS: tl.constexpr, HAS_RING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_CHUNK: tl.constexpr, DT: tl.constexpr, KC: tl.constexpr, ALIGNED: tl.constexpr, ABLATE: tl.constexpr,
-    USE_ASM: tl.constexpr, REGION: tl.constexpr, PIPE: tl.constexpr = 0,
+    USE_ASM: tl.constexpr, REGION: tl.constexpr,
 ):
     """One split of one row block: REGION 0 = INT2 pages (splits ``0 .. NSPLIT-1``), 1 = BF16 keys
     (splits ``NSPLIT ..``). Two launches, so each region's code gets registers of its own."""
@@ -307,23 +307,15 @@ def _attn_kernel(
         # waits). The packed tiles are small (d/16 words a key), so the extra registers are few.
         lo = S + split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, page_end)
-        if PIPE == 0:
-            page_n = _page_of(bt_ptr, b, sbt_b, lo + nblk, hi, S, PS)
-            kw, km, vw, vm = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page_n, lo + nblk, hi, S, h,
-                                              sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N, D, NG, ALIGNED)
-            page_n = _page_of(bt_ptr, b, sbt_b, lo + BLOCK_N + nblk, hi, S, PS)
-        # PIPE > 0: no prefetch by hand; Triton's software pipeliner keeps PIPE - 1 blocks in flight through
-        # shared memory (cp.async), which costs no registers (the hand prefetch limits bytes in flight).
-        for j0 in tl.range(lo, hi, BLOCK_N, num_stages=PIPE if PIPE > 0 else None):
-            if PIPE == 0:
-                kw_n, km_n, vw_n, vm_n = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page_n, j0 + BLOCK_N + nblk,
-                                                          hi, S, h, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N,
-                                                          D, NG, ALIGNED)
-                page_n = _page_of(bt_ptr, b, sbt_b, j0 + 2 * BLOCK_N + nblk, hi, S, PS)
-            else:
-                page = _page_of(bt_ptr, b, sbt_b, j0 + nblk, hi, S, PS)
-                kw, km, vw, vm = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page, j0 + nblk, hi, S, h,
-                                                  sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N, D, NG, ALIGNED)
+        page_n = _page_of(bt_ptr, b, sbt_b, lo + nblk, hi, S, PS)
+        kw, km, vw, vm = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page_n, lo + nblk, hi, S, h,
+                                          sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N, D, NG, ALIGNED)
+        page_n = _page_of(bt_ptr, b, sbt_b, lo + BLOCK_N + nblk, hi, S, PS)
+        for j0 in range(lo, hi, BLOCK_N):
+            kw_n, km_n, vw_n, vm_n = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page_n, j0 + BLOCK_N + nblk,
+                                                      hi, S, h, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N,
+                                                      D, NG, ALIGNED)
+            page_n = _page_of(bt_ptr, b, sbt_b, j0 + 2 * BLOCK_N + nblk, hi, S, PS)
             j = j0 + nblk
             key_ok = j < hi
             if ABLATE == 2 or ABLATE == 4:  # no key unpacking and dot (4: nothing but the loads)
@@ -340,8 +332,7 @@ def _attn_kernel(
             elif ABLATE != 1:
                 acc = _dequant_dot_values(p, vw, vm, acc, BLOCK_N, D, NG, DT, USE_ASM)
             m_i = m_new
-            if PIPE == 0:
-                kw, km, vw, vm = kw_n, km_n, vw_n, vm_n
+            kw, km, vw, vm = kw_n, km_n, vw_n, vm_n
     else:
         # ---------------- BF16 keys: sinks [0, min(S, L)), then [page_end, L) from the ring or the chunk
         uperm = dcol
@@ -488,7 +479,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      k_chunk=None, v_chunk=None, chunk_positions=None, block_n: int | None = None,
                      splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
                      dot_dtype: torch.dtype = torch.float16, ablate: int = 0, unpack: str | None = None,
-                     maxnreg: int | None = None, pipeline: int = 0, page_warps: int | None = None):
+                     maxnreg: int | None = None, page_warps: int | None = None):
     """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
 
     The chunk, when given, must be the row's newest tokens (what ``store`` just returned).
@@ -572,7 +563,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     if page_warps:  # the page region's warps alone (2 measured 10-15% faster at large batch, slower at batch 1)
         page_opts["num_warps"] = page_warps
     LAST_LAUNCH["attention"] = _attn_kernel[(b * h, triton.cdiv(m_total, page_m), nsplit)](
-        *args, REGION=0, PIPE=pipeline, **dict(meta, BLOCK_M=page_m, **page_opts))
+        *args, REGION=0, **dict(meta, BLOCK_M=page_m, **page_opts))
     LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, m_blocks, nb)](*args, REGION=1, **dict(meta, BLOCK_N=bn_bf16))
     merge_m = 16
     LAST_LAUNCH["merge"] = _merge_kernel[(b * h, triton.cdiv(m_total, merge_m))](
