@@ -15,11 +15,9 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-# Arguments the kernels do not specialise (``do_not_specialize``) and sizes rarely multiples of 16 at a
-# launch; every other integer argument (strides) is taken as one.
-NOT_DIVISIBLE = {"T", "M_TOTAL", "S", "W", "NSPLIT", "NS", "mask_len", "sp_b", "sbt_b", "sc_s", "sm_s", "sm_h",
-                 "keys_per_split", "bf16_per_split", "stride_bt_b", "MAX_PAGES", "kclip_lo", "vclip_lo", "NH",
-                 "smk_b", "smk_h", "smk_t"}
+# Integer arguments taken as not divisible by 16: those a kernel declares ``do_not_specialize`` (read from
+# the kernel) and these, rarely multiples of 16 at a launch; every other one (strides) is taken as one.
+NOT_DIVISIBLE = {"sc_s", "sm_s", "sm_h", "MAX_PAGES", "NH"}
 FLOATS = {"qk_scale", "kclip_frac", "vclip_frac"}
 
 ATTENTION_POINTERS = {
@@ -41,6 +39,7 @@ STORE_POINTERS = {
 def compile_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4, num_stages: int = 2, maxnreg=None):
     """``fn`` (a ``@triton.jit`` kernel) compiled for sm_90; raises what the compiler raises."""
     names = fn.arg_names
+    unspecialised = {p.name for p in fn.params if p.do_not_specialize} | NOT_DIVISIBLE
     sig, attrs = {}, {}
     for i, n in enumerate(names):
         if n in constexprs:
@@ -52,7 +51,7 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4, num_s
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
-            if n not in NOT_DIVISIBLE:
+            if n not in unspecialised:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                                     attrs=attrs)
