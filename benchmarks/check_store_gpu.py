@@ -16,12 +16,13 @@ from oscar_compile.quant import quantize_int2
 from oscar_compile.testing import twin_caches
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SINKS, WINDOW, PAGE = 64, 256, 16
 
 
 def case(dtype, clip, path, h=4, d=128, batch=2, n=700, steps=40):
     gen = torch.Generator(device=DEV).manual_seed(1)
     prefill = n if path == "prefill" else 300
-    ref, got = twin_caches(h, d, batch, prefill + steps + 1, 64, 256, 16, dtype=dtype, clip=clip, device=DEV)
+    ref, got = twin_caches(h, d, batch, prefill + steps + 1, SINKS, WINDOW, PAGE, dtype=dtype, clip=clip, device=DEV)
     k, v = (torch.randn(batch, h, prefill, d, device=DEV, generator=gen).to(dtype) for _ in range(2))
     pos = torch.arange(prefill, device=DEV)
     kr, _ = store_reference(*ref.store_args(0, k, v, pos))
@@ -33,16 +34,16 @@ def case(dtype, clip, path, h=4, d=128, batch=2, n=700, steps=40):
             store_reference(*ref.store_args(0, k1, v1, p1))
             store_triton(*got.store_args(0, k1, v1, p1))
     lr, lg = ref.layers[0], got.layers[0]
-    n_q = max(0, (prefill + (steps if path == "decode" else 0)) - 64 - 256)  # quantized tokens per row
-    pages = ref.block_table[:, : (n_q + 15) // 16].long()
+    n_q = max(0, (prefill + (steps if path == "decode" else 0)) - SINKS - WINDOW)  # quantized tokens per row
+    pages = ref.block_table[:, : -(-n_q // PAGE)].long()
     sel = lambda x: x[pages].flatten(1, 2)[:, :n_q]  # [batch, n_q, h, ...] in position order  # noqa: E731
     meta_r, meta_g = sel(lr.k_meta).float(), sel(lg.k_meta).float()
     meta_off = ~torch.isclose(meta_g, meta_r, rtol=1e-2, atol=1e-3)
     codes_off = sel(lr.k_codes) != sel(lg.k_codes)
     line = (f"{str(dtype)[6:]:<9} clip={clip:<5} {path:<8} rows maxdiff {(kg.float() - kr.float()).abs().max():.2e}  "
             f"meta differ {meta_off.float().mean():.4f}  code bytes differ {codes_off.float().mean():.4f}")
-    if path == "prefill":  # pages hold positions 64 .. n-256 of the returned chunk
-        rows_g = kg[:, 64: 64 + n_q]  # [batch, n_q, h, d]
+    if path == "prefill":  # pages hold positions SINKS .. n - WINDOW of the returned chunk
+        rows_g = kg[:, SINKS: SINKS + n_q]  # [batch, n_q, h, d]
         _, sc, mn = quantize_int2(rows_g.float(), None, clip if clip < 1 else None, meta_dtype=lg.k_meta.dtype)
         own = torch.cat([sc, mn], -1).float()
         line += f"  vs quantizer on own rows: {(~torch.isclose(meta_g, own, rtol=1e-3, atol=1e-4)).float().mean():.4f}"

@@ -14,7 +14,7 @@ for step in "${@:-tests bench}"; do for s in $step; do
     probe) timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/bench_decode.py --profile --no-store --name decode_probe --out "$OUT" \
              --configs "${PROBE_CONFIGS:-$DEFAULT_PROBE}" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | tee "$OUT/probe.log" ;;
     tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/passes --ignore=tests/passes/test_explain.py -k "not fuzz ${TESTS_K:+and $TESTS_K}" 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-    fuzz) for i in $(seq 0 15); do  # one process a shard (the host has 16 cores): Triton compiles in parallel
+    fuzz) for i in $(seq 0 15); do  # one process per shard (FUZZ_SHARDS = 16, FUZZ_CASES = 512 in the test): compiles in parallel
             timeout ${FUZZ_TIMEOUT:-400} python3 -m pytest -q -s -m gpu -p no:cacheprovider \
               "tests/kernels/test_triton_kernels.py::test_fuzz_500_cases_gpu[$i]" > "$OUT/fuzz$i.log" 2>&1 &
           done; wait
