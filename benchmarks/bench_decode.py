@@ -160,6 +160,7 @@ def bench_shape(b, length, device, sweep: bool, ablations: bool = False, profile
     configs = [{}]
     if sweep:
         configs += [dict(block_n=bn, num_warps=w, num_stages=1) for bn in (32, 64, 128) for w in (2, 4, 8)]
+        configs += [dict(page_warps=2), dict(page_warps=4)]  # the page region alone (the default picks per shape)
         configs += [dict(num_stages=2), dict(splits=0.5), dict(splits=2.0), dict(splits=4.0)]
         configs += [dict(unpack="ops")]  # shifts, masks and int->float conversions instead of the PTX unpacking
     configs += list(extra)

@@ -5,7 +5,7 @@
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/oscar-gpu}
 mkdir -p "$OUT"
-DEFAULT_PROBE='[{"page_warps": 2}, {"page_warps": 2, "splits": 2.0}]'  # candidates for the next default
+DEFAULT_PROBE='[{"page_warps": 4}, {"page_warps": 2, "splits": 2.0}]'  # the old default; a candidate
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
 for step in "${@:-tests bench}"; do for s in $step; do
   echo "=== $s ($(date +%T))"

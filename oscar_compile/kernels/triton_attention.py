@@ -474,10 +474,19 @@ def num_splits(batch: int, kv_heads: int, m_blocks: int, page_keys: int, block_n
     return int(max(1, min(want, most, 128)))
 
 
+def page_region_warps(batch: int, kv_heads: int, page_m_blocks: int, page_m: int, device) -> int:
+    """Warps of a page-region program. 2 when decode rows (<= 16 a program) already give every SM a
+    program without splitting: 4 programs of 2 warps fit an SM where 2 of 4 do, so more key blocks are
+    in flight (H200: 32 x 32K 946 vs 1109 us, 32 x 8K 280 vs 309, 64 x 4K 293 vs 330). 4 otherwise: at
+    batch 1 the splits are short and 2 warps were slower (1 x 128K 191 vs 166 us), and 32-row prefill
+    blocks spill with 2 warps."""
+    return 2 if page_m <= 16 and batch * kv_heads * page_m_blocks >= _sm_count(device) else 4
+
+
 def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring,
                      block_table, query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
                      k_chunk=None, v_chunk=None, chunk_positions=None, block_n: int | None = None,
-                     splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                     splits: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                      dot_dtype: torch.dtype = torch.float16, ablate: int = 0, unpack: str | None = None,
                      maxnreg: int | None = None, page_warps: int | None = None):
     """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
@@ -558,10 +567,11 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     meta = dict(H=h, G=g, D=d, NG=geo.num_groups, PS=geo.page_size, HAS_RING=geo.window > 0, BLOCK_M=block_m,
                 BLOCK_N=block_n, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_CHUNK=has_chunk, DT=dt,
                 KC=min(d, 64), ALIGNED=_aligned16(k_codes, v_codes, k_sink, v_sink, k_ring, v_ring, kch, vch), ABLATE=ablate, USE_ASM=use_asm,
-                num_warps=num_warps, num_stages=num_stages)
+                num_warps=num_warps or 4, num_stages=num_stages)
     page_opts = {"maxnreg": maxnreg} if maxnreg else {}  # a register cap trades spills for CTAs per SM
-    if page_warps:  # the page region's warps alone (2 measured 10-15% faster at large batch, slower at batch 1)
-        page_opts["num_warps"] = page_warps
+    # warps: page_warps for the page region alone, else num_warps for both regions, else the heuristic
+    page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, triton.cdiv(m_total, page_m), page_m, dev)
+    LAST_LAUNCH["page_warps"] = page_opts["num_warps"]
     LAST_LAUNCH["attention"] = _attn_kernel[(b * h, triton.cdiv(m_total, page_m), nsplit)](
         *args, REGION=0, **dict(meta, BLOCK_M=page_m, **page_opts))
     LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, m_blocks, nb)](*args, REGION=1, **dict(meta, BLOCK_N=bn_bf16))

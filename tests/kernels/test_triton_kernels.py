@@ -18,7 +18,7 @@ import torch
 from oscar_compile import PagedInt2KVCache
 from oscar_compile.kernels.attention import attention_reference
 from oscar_compile.kernels.store import store_reference
-from oscar_compile.kernels.triton_attention import attention_triton
+from oscar_compile.kernels.triton_attention import LAST_LAUNCH, _sm_count, attention_triton, page_region_warps
 from oscar_compile.kernels.triton_store import store_triton
 from oscar_compile.quant import dequantize_int2
 from oscar_compile.testing import rel_error, twin_caches
@@ -134,9 +134,23 @@ def test_full_shapes_gpu(d, gqa):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_page_region_with_two_warps_gpu(d):
-    # a launch option measured faster at large batch (README); checked before it can become a default
+    # 2-warp page programs, forced at a small batch and chosen by the default at a batch that fills the GPU
     _run_case(h=8, gqa=4, d=d, lengths=(700, 129), s=64, w=256, ps=16, decode_steps=3, clip=0.95,
               kind="invertible", dtype=torch.bfloat16, seed=d, page_warps=2)
+    rows = torch.cuda.get_device_properties(0).multi_processor_count // 8 + 1
+    lengths = tuple(random.Random(d).randint(1, 600) for _ in range(rows))
+    _run_case(h=8, gqa=4, d=d, lengths=lengths, s=64, w=256, ps=16, decode_steps=2, clip=0.95,
+              kind="invertible", dtype=torch.bfloat16, seed=d + 1)
+    assert LAST_LAUNCH["page_warps"] == 2  # the last decode step took the 2-warp default
+
+
+def test_page_region_warps_default():
+    # 2 warps only for decode-sized row blocks (<= 16 rows) when the programs already cover every SM
+    sms = _sm_count(torch.device(DEV))
+    assert page_region_warps(1, 8, 1, 16, torch.device(DEV)) == (2 if 8 >= sms else 4)
+    assert page_region_warps(sms, 1, 1, 16, torch.device(DEV)) == 2
+    assert page_region_warps(sms, 8, 2, 32, torch.device(DEV)) == 4  # prefill blocks spill with 2 warps
+    assert page_region_warps(1, 1, 1, 16, torch.device(DEV)) == 4
 
 
 def _random_variant(rng: random.Random, d: int) -> dict:
