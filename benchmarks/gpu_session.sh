@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the decode-attention benchmark; results land in $OUT (or /tmp/oscar-gpu).
-# Usage: bash benchmarks/gpu_session.sh [store|tests|bench|probe|e2e|fuzz]...   (default: tests bench)
+# Usage: bash benchmarks/gpu_session.sh [store|tests|bench|probe|e2e|fuzz|ncu]...   (default: tests bench)
 #   store: Triton store vs reference, per dtype/clip/path; probe: per-kernel profile + PROBE_CONFIGS (JSON list)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/oscar-gpu}
@@ -20,6 +20,14 @@ for step in "${@:-tests bench}"; do for s in $step; do
           done; wait
           echo "fuzz cases passed: $(cat "$OUT"/fuzz*.log | grep -c "fuzz case ok") of 512; shards passed: $(grep -l " passed" "$OUT"/fuzz*.log | wc -l) of 16"
           grep -h -B2 -A6 "AssertionError: fuzz case\|Error" "$OUT"/fuzz*.log | grep -v DEBUG | head -40 ;;
+    ncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+         # the page region is the 3rd _attn_kernel launch of each config (2 calls x 2 regions): 3, 7, 11, ...
+         PYTHONPATH=$PWD:$PWD/benchmarks timeout ${NCU_TIMEOUT:-240} "$NCU" --clock-control none \
+           --kernel-id "::_attn_kernel:regex:^(3|7|11|15|19|23)\$" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+           --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+           --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum" \
+           python3 benchmarks/ncu_pages.py > "$OUT/ncu.txt" 2>&1
+         grep -E "profiled|==PROF==|==ERROR==|_attn_kernel|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|No Eligible|stalled_(long_scoreboard|short_scoreboard|mio_throttle|barrier|wait|math_pipe_throttle|lg_throttle|not_selected|dispatch_stall|no_instruction)|bank_conflicts" "$OUT/ncu.txt" | head -150 ;;
     bench) timeout 210 python3 benchmarks/bench_decode.py --sweep --profile --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^    " ;;
     e2e) timeout 400 python3 benchmarks/e2e_gpu.py --models "${E2E_MODELS:-smollm2,llama3-8b:8}" --configs "${E2E_CONFIGS:-int2,eager}" \
            --config-timeout 120 --out "$OUT/e2e_h200.json" 2>&1 | tee "$OUT/e2e.log" | grep "^{" ;;
