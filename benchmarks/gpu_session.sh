@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the decode-attention benchmark; results land in $OUT (or /tmp/oscar-gpu).
-# Usage: bash benchmarks/gpu_session.sh [store|tests|bench|probe|e2e|fuzz|ncu]...   (default: tests bench)
+# Usage: bash benchmarks/gpu_session.sh [store|tests|bench|probe|e2e|fuzz|ncu|ncusrc]...   (default: tests bench)
 #   store: Triton store vs reference, per dtype/clip/path; probe: per-kernel profile + PROBE_CONFIGS (JSON list)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/oscar-gpu}
 mkdir -p "$OUT"
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 DEFAULT_NCU='{};{"ablate": 1};{"ablate": 4}'  # NCU_CONFIGS: kernel options, ';'-separated
 DEFAULT_PROBE='[{"page_warps": 4}, {"page_warps": 2, "splits": 2.0}]'  # the old default; a candidate
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
@@ -21,7 +22,7 @@ for step in "${@:-tests bench}"; do for s in $step; do
           done; wait
           echo "fuzz cases passed: $(cat "$OUT"/fuzz*.log | grep -c "fuzz case ok") of 512; shards passed: $(grep -l " passed" "$OUT"/fuzz*.log | wc -l) of 16"
           grep -h -B2 -A6 "AssertionError: fuzz case\|Error" "$OUT"/fuzz*.log | grep -v DEBUG | head -40 ;;
-    ncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); : > "$OUT/ncu.txt"
+    ncu) : > "$OUT/ncu.txt"
          # one process per (shape, config): the page region is the 3rd _attn_kernel launch (2 calls x 2 regions)
          for shape in ${NCU_SHAPES:-32x32768 1x131072}; do IFS=';' read -ra cfgs <<< "${NCU_CONFIGS:-$DEFAULT_NCU}"; for cfg in "${cfgs[@]}"; do
            PYTHONPATH=$PWD:$PWD/benchmarks timeout 100 "$NCU" --clock-control none --kernel-name _attn_kernel \
@@ -32,12 +33,11 @@ for step in "${@:-tests bench}"; do for s in $step; do
          done; done
          grep -E "profiled|==ERROR==|_attn_kernel|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|No Eligible|stalled_(long_scoreboard|short_scoreboard|mio_throttle|barrier|wait|math_pipe_throttle|lg_throttle|not_selected|dispatch_stall|no_instruction)|bank_conflicts" "$OUT/ncu.txt" | head -150 ;;
     ncusrc)  # per-SASS-instruction counters (shared-memory wavefronts, bank conflicts, stalls) of the page region at 32 x 32K
-         NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
          PYTHONPATH=$PWD:$PWD/benchmarks timeout 150 "$NCU" --clock-control none --kernel-name _attn_kernel --launch-skip 2 \
            --launch-count 1 --set full --import-source yes -o "$OUT/pages" -f python3 benchmarks/ncu_pages.py --shapes 32x32768 --configs '[{}]'
          "$NCU" -i "$OUT/pages.ncu-rep" --page source --print-source sass --csv > "$OUT/pages_sass.csv" 2>&1
          "$NCU" -i "$OUT/pages.ncu-rep" --page details > "$OUT/pages_details.txt" 2>&1
-         ls -la "$OUT"; head -3 "$OUT/pages_sass.csv" | cut -c1-600; grep -i "bank\|wavefront\|excessive" "$OUT/pages_details.txt" | head -20 ;;
+         python3 benchmarks/ncu_summary.py "$OUT/pages_sass.csv"; grep -i "bank\|excessive" "$OUT/pages_details.txt" | head -20 ;;
     bench) timeout 210 python3 benchmarks/bench_decode.py --sweep --profile --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^    " ;;
     e2e) timeout 400 python3 benchmarks/e2e_gpu.py --models "${E2E_MODELS:-smollm2,llama3-8b:8}" --configs "${E2E_CONFIGS:-int2,eager}" \
            --config-timeout 120 --out "$OUT/e2e_h200.json" 2>&1 | tee "$OUT/e2e.log" | grep "^{" ;;

@@ -1,11 +1,10 @@
 """Hardware counters of the INT2 page-region kernel (Nsight Compute), to see where its time goes.
 
-Runs the decode attention of ``bench_decode`` once per (shape, config) after a warm-up call; meant to
-be run under ``ncu`` with a filter on the page region's kernel (``_attn_kernel`` launched first of
-the two per call). ``gpu_session.sh ncu`` does that and keeps the report.
-
-    ncu --kernel-name regex:_attn_kernel --launch-skip 2 --launch-skip-before-match 0 ... \
-        python benchmarks/ncu_pages.py --shapes 32x32768 --configs '[{}]'
+Calls the decode attention of ``bench_decode`` twice per (shape, config): a compile/warm-up call, then
+the profiled one. Each call launches ``_attn_kernel`` twice (page region, then BF16 keys), so under
+``ncu --kernel-name _attn_kernel --launch-skip 2 --launch-count 1`` with one config per process the
+profiled kernel is the second call's page region. ``gpu_session.sh ncu`` (summary counters) and
+``ncusrc`` (per-SASS-instruction report; ``ncu_summary.py`` condenses it) run it that way.
 """
 
 from __future__ import annotations
@@ -20,8 +19,8 @@ from bench_decode import HQ, int2_cache
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="32x32768,1x131072")
-    ap.add_argument("--configs", default='[{}, {"ablate": 1}, {"ablate": 4}]', help="JSON list of kernel options")
+    ap.add_argument("--shapes", default="32x32768", help="one shape per process under ncu (see above)")
+    ap.add_argument("--configs", default="[{}]", help="JSON list of kernel options (one per process under ncu)")
     args = ap.parse_args()
     from oscar_compile.kernels.triton_attention import attention_triton
 

@@ -21,7 +21,8 @@ def _num(x: str) -> float:
 
 
 def summarise(path: str, top: int = 25) -> str:
-    rows = list(csv.reader(open(path)))
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     header = next(i for i, r in enumerate(rows) if "Source" in r)
     names, data = rows[header], rows[header + 1:]
     col = {h: i for i, h in enumerate(names)}

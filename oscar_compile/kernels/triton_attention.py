@@ -511,7 +511,8 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     # operand whose shared layout Triton 3.6/3.7 reject for d = 64 ("Illegal shared layout"), and d = 128
     # spills. Each launch indexes the partial state by query row, so the two regions may block rows differently.
     page_m = min(block_m, 32)
-    nsplit = splits or num_splits(b, h, triton.cdiv(m_total, page_m), page_keys, block_n, dev)
+    page_m_blocks = triton.cdiv(m_total, page_m)
+    nsplit = splits or num_splits(b, h, page_m_blocks, page_keys, block_n, dev)
     LAST_LAUNCH["splits"] = nsplit
     keys_per_split = triton.cdiv(triton.cdiv(page_keys, nsplit), block_n) * block_n
     # The BF16 keys (sinks, ring, chunk: at most S + W + t) get splits of their own, each about as many
@@ -570,9 +571,8 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                 num_warps=num_warps or 4, num_stages=num_stages)
     page_opts = {"maxnreg": maxnreg} if maxnreg else {}  # a register cap trades spills for CTAs per SM
     # warps: page_warps for the page region alone, else num_warps for both regions, else the heuristic
-    page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, triton.cdiv(m_total, page_m), page_m, dev)
-    LAST_LAUNCH["page_warps"] = page_opts["num_warps"]
-    LAST_LAUNCH["attention"] = _attn_kernel[(b * h, triton.cdiv(m_total, page_m), nsplit)](
+    page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, page_m_blocks, page_m, dev)
+    LAST_LAUNCH["attention"] = _attn_kernel[(b * h, page_m_blocks, nsplit)](
         *args, REGION=0, **dict(meta, BLOCK_M=page_m, **page_opts))
     LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, m_blocks, nb)](*args, REGION=1, **dict(meta, BLOCK_N=bn_bf16))
     merge_m = 16

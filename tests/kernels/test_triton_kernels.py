@@ -141,7 +141,7 @@ def test_page_region_with_two_warps_gpu(d):
     lengths = tuple(random.Random(d).randint(1, 600) for _ in range(rows))
     _run_case(h=8, gqa=4, d=d, lengths=lengths, s=64, w=256, ps=16, decode_steps=2, clip=0.95,
               kind="invertible", dtype=torch.bfloat16, seed=d + 1)
-    assert LAST_LAUNCH["page_warps"] == 2  # the last decode step took the 2-warp default
+    assert LAST_LAUNCH["attention"].metadata.num_warps == 2  # the last decode step took the 2-warp default
 
 
 def test_page_region_warps_default():
