@@ -66,15 +66,22 @@ class CacheOracle:
         self.keys: list[list[torch.Tensor]] = [[] for _ in range(cache.max_batch_size)]
         self.values: list[list[torch.Tensor]] = [[] for _ in range(cache.max_batch_size)]
 
-    def _transform(self, x, mat, mean):  # x [H, T, d] -> [T, H, d] in cache dtype, as stored
-        # The same fp32 arithmetic as the store op: a one-ulp difference would flip INT2 codes at
-        # rounding boundaries (a whole quantization step). Transform exactness is tested separately.
-        return transform_rows(x[None], mat, mean)[0].to(self.cache.dtype)
-
     def append(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Record ``k, v [H, T, d]`` appended to ``row``."""
-        self.keys[row].extend(self._transform(k, self.tr.key_transform, self.tr.key_mean).unbind(0))
-        self.values[row].extend(self._transform(v, self.tr.value_transform, self.tr.value_mean).unbind(0))
+        self.append_batch(k[None], v[None], [k.shape[-2]], rows=[row])
+
+    def append_batch(self, k: torch.Tensor, v: torch.Tensor, lengths: list[int], rows: list[int] | None = None) -> None:
+        """Record ``k, v [B, H, T, d]``: row ``rows[i]`` (default ``i``) appends its first ``lengths[i]`` tokens.
+
+        The whole batch is transformed at once, as the store op transforms it: CPU matmuls of another
+        batch shape may sum in another order, and a one-ulp difference flips INT2 codes.
+        """
+        kt = transform_rows(k, self.tr.key_transform, self.tr.key_mean).to(self.cache.dtype)
+        vt = transform_rows(v, self.tr.value_transform, self.tr.value_mean).to(self.cache.dtype)
+        for i, n in enumerate(lengths):
+            row = i if rows is None else rows[i]
+            self.keys[row].extend(kt[i, :n].unbind(0))
+            self.values[row].extend(vt[i, :n].unbind(0))
 
     def history(self, row: int, tokens: list[torch.Tensor], clip: float, exact_from: int) -> torch.Tensor:
         """Stored history; positions ``>= exact_from`` (the newest chunk) are read exactly."""

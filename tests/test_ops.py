@@ -63,7 +63,7 @@ def test_attention_matches_float64_oracle_over_prefill_and_300_decode_steps(d, g
     q = torch.randn(3, h * gqa, t, d, generator=gen)
     for row, n in enumerate(prefill):
         cache.allocate(row, n)
-        oracle.append(row, k[row, :, :n], v[row, :, :n])
+    oracle.append_batch(k, v, prefill)
     kt, vt = cache.store(0, k, v, pos)
     out = cache.attention(0, q, pos, is_causal=True, scale=scale)  # every key through the cache
     exact = cache.attention(0, q, pos, is_causal=True, scale=scale, chunk=(kt, vt, pos))  # chunk read exactly
@@ -84,8 +84,8 @@ def test_attention_matches_float64_oracle_over_prefill_and_300_decode_steps(d, g
         q = torch.randn(3, h * gqa, 1, d, generator=gen)
         cache.store(0, k, v, pos)
         out = cache.attention(0, q, pos, scale=scale)
+        oracle.append_batch(k, v, [1, 1, 1])
         for row in range(3):
-            oracle.append(row, k[row], v[row])
             worst = max(worst, rel_error(out[row], oracle.attention(row, q[row], pos[row], scale)))
         lengths = [n + 1 for n in lengths]
     assert min(lengths) > s + w + ps  # every row crossed from ring into several pages
