@@ -62,10 +62,10 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4, num_s
 
 
 def compile_attention(d=128, g=4, block_m=16, block_n=128, region=0, prefill=False, unpack="asm", ablate=0,
-                      num_warps=4, num_stages=2, ng=1, mask_kind=0, maxnreg=None):
+                      num_warps=4, num_stages=2, ng=1, mask_kind=0, maxnreg=None, causal=None):
     from .triton_attention import _attn_kernel
 
-    const = dict(H=8, G=g, D=d, NG=ng, PS=16, HAS_RING=True, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=prefill,
+    const = dict(H=8, G=g, D=d, NG=ng, PS=16, HAS_RING=True, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=prefill if causal is None else causal,
                  MASK_KIND=mask_kind, HAS_CHUNK=prefill, DT=tl.float16, KC=min(d, 64), ALIGNED=True, ABLATE=ablate,
                  USE_ASM=unpack == "asm", REGION=region)
     return compile_sm90(_attn_kernel, const, ATTENTION_POINTERS, num_warps, num_stages, maxnreg)
@@ -111,6 +111,8 @@ def extra_variants() -> dict:
     return {
         "pages, bool mask": lambda: compile_attention(d=64, block_m=32, region=0, prefill=True, mask_kind=1),
         "bf16 keys, additive mask": lambda: compile_attention(d=128, block_m=16, block_n=64, region=1, mask_kind=2),
+        "prefill bf16 keys, bool mask": lambda: compile_attention(d=128, block_m=64, block_n=64, region=1, prefill=True,
+                                                                  mask_kind=1, causal=False),  # transformers' prefill
         "pages, 2 groups": lambda: compile_attention(d=128, block_m=16, region=0, ng=2),
         "pages, 2 warps": lambda: compile_attention(d=128, block_m=16, region=0, num_warps=2),
         "store, 2 groups, no clip": lambda: compile_store(d=128, ng=2, clip=False),

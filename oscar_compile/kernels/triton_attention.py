@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -200,12 +201,14 @@ def _dequant_dot_values(p, vw, vm, acc, BLOCK_N: tl.constexpr, D: tl.constexpr, 
 
 
 @triton.jit
-def _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
-             IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr):
-    """Apply causality and the user mask to scores ``s [M, N]`` (already scaled by log2(e)/sqrt(d))."""
+def _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
+                IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr):
+    """Which keys ``j`` each query row sees (``[M, N]`` bool) and the additive mask's bias in log2 units
+    (``0.0`` without one)."""
     vis = key_ok[None, :]
     if IS_CAUSAL:
         vis = vis & (j[None, :] <= row_pos[:, None])
+    bias = 0.0
     if MASK_KIND != 0:
         in_mask = j < mask_len
         mptr = mask_ptr + b * smk_b + row_hq[:, None] * smk_h + row_t[:, None] * smk_t + tl.where(in_mask, j, 0)[None, :] * smk_j
@@ -215,8 +218,17 @@ def _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, sm
         else:
             mv = tl.load(mptr, mask=vis & in_mask[None, :], other=float("-inf")).to(tl.float32)
             vis = vis & in_mask[None, :] & (mv > float("-inf"))
-            s = s + mv * 1.4426950408889634
-    return tl.where(vis, s, float("-inf"))
+            bias = mv * 1.4426950408889634
+    return vis, bias
+
+
+@triton.jit
+def _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
+             IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr):
+    """Apply causality and the user mask to scores ``s [M, N]`` (already scaled by log2(e)/sqrt(d))."""
+    vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
+                            IS_CAUSAL, MASK_KIND)
+    return tl.where(vis, s + bias, float("-inf"))
 
 
 @triton.jit
@@ -238,7 +250,7 @@ def _query_kernel(q_ptr, sq_b, sq_h, sq_t, bq_ptr, qq_ptr, M_TOTAL, qk_scale, H:
                   D: tl.constexpr, BLOCK_M: tl.constexpr, KC: tl.constexpr):
     """``q' = q B_q * scale * log2(e)`` once per row (not once per split), in the tensor-core dtype."""
     pid_bh = tl.program_id(0)
-    b = pid_bh // H
+    b = (pid_bh // H).to(tl.int64)  # q may pass 2^31 elements (64 x 32 heads x 8K x 128)
     h = pid_bh % H
     r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < M_TOTAL
@@ -249,7 +261,7 @@ def _query_kernel(q_ptr, sq_b, sq_h, sq_t, bq_ptr, qq_ptr, M_TOTAL, qk_scale, H:
              mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["sp_b", "sbt_b", "smk_b", "smk_h", "smk_t", "T", "M_TOTAL", "keys_per_split",
+@triton.jit(do_not_specialize=["sp_b", "sbt_b", "smk_b", "smk_h", "smk_t", "M_TOTAL", "keys_per_split",
                                "bf16_per_split", "S", "W", "NSPLIT", "NS", "mask_len"])
 def _attn_kernel(
     qq_ptr, pos_ptr, sp_b, len_ptr, sl_b,
@@ -258,16 +270,18 @@ def _attn_kernel(
     sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
     mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
     part_m_ptr, part_l_ptr, part_o_ptr,
-    T, M_TOTAL, keys_per_split, bf16_per_split, S, W, NSPLIT, NS,
+    M_TOTAL, keys_per_split, bf16_per_split, S, W, NSPLIT, NS,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, PS: tl.constexpr, HAS_RING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_CHUNK: tl.constexpr, DT: tl.constexpr, KC: tl.constexpr, ALIGNED: tl.constexpr, ABLATE: tl.constexpr,
     USE_ASM: tl.constexpr, REGION: tl.constexpr,
 ):
     """One split of one row block: REGION 0 = INT2 pages (splits ``0 .. NSPLIT-1``), 1 = BF16 keys
-    (splits ``NSPLIT ..``). Two launches, so each region's code gets registers of its own."""
+    (splits ``NSPLIT ..``). Two launches, so each region's code gets registers of its own.
+    Offsets into the user's tensors (queries, masks, chunks) are int64; the partial states are bounded
+    by the launcher's temporary budget, so their offsets stay int32."""
     pid_bh = tl.program_id(0)
-    b = pid_bh // H
+    b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     m_block = tl.program_id(1)
     split = tl.program_id(2) + REGION * NSPLIT
@@ -276,7 +290,7 @@ def _attn_kernel(
     row_ok = r < M_TOTAL
     # Padding rows of the last block point at token 0: every address they form stays inside the tensors
     # (the mask loads of a non-causal decode are not otherwise guarded by row_ok; on the GPU they faulted).
-    row_t = tl.where(row_ok, r // G, 0)
+    row_t = tl.where(row_ok, r // G, 0).to(tl.int64)
     row_hq = h * G + r % G
     row_pos = tl.load(pos_ptr + b * sp_b + row_t, mask=row_ok, other=-1).to(tl.int64)
     length = tl.load(len_ptr + b * sl_b).to(tl.int64)
@@ -341,36 +355,42 @@ def _attn_kernel(
         n_bf16 = n_sink + tl.maximum(length - page_end, 0)
         u_lo = (split - NSPLIT) * bf16_per_split  # this split's share of the BF16 keys
         u_hi = tl.minimum(u_lo + bf16_per_split, n_bf16)
+        if IS_CAUSAL:  # keys past the block's newest query position are never visible: stop there
+            j_max = tl.max(tl.where(row_ok, row_pos, -1), 0)
+            u_hi = tl.minimum(u_hi, tl.where(j_max < n_sink, j_max + 1, n_sink + tl.maximum(j_max + 1 - page_end, 0)))
         for u0 in range(u_lo, u_hi, BLOCK_N):
             u = u0 + nblk
             key_ok = u < u_hi
             j = tl.where(u < n_sink, u, page_end + (u - n_sink))
-            in_sink = key_ok & (j < S)
-            in_chunk = key_ok & ~in_sink & (j >= c0) & (j < c_end)
-            in_ring = key_ok & ~in_sink & ~in_chunk
-            if HAS_RING:
-                ring_slot = tl.where(in_ring, j % tl.maximum(W, 1), 0)
-            else:
-                ring_slot = j * 0
-            row_s = b * ss_b + tl.where(in_sink, j, 0) * ss_t + h * ss_h
-            row_r = b * sr_b + ring_slot * sr_t + h * sr_h
-            kb = tl.where(in_sink, ks_ptr + row_s, kr_ptr + row_r)
-            vb = tl.where(in_sink, vs_ptr + row_s, vr_ptr + row_r)
-            if HAS_CHUNK:
-                row_c = b * sch_b + tl.where(in_chunk, j - c0, 0) * sch_t + h * sch_h
-                kb = tl.where(in_chunk, kch_ptr + row_c, kb)
-                vb = tl.where(in_chunk, vch_ptr + row_c, vb)
-            if ALIGNED:  # rows start on 16 bytes (all three buffers): vector loads despite the select
-                kb = tl.multiple_of(kb, 16)
-                vb = tl.multiple_of(vb, 16)
-            k = tl.load(kb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
-            s = tl.dot(qq, tl.trans(k))
-            s = _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
-                         IS_CAUSAL, MASK_KIND)
-            p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
-            v = tl.load(vb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
-            acc = tl.dot(p.to(DT), v, acc * alpha[:, None])
-            m_i = m_new
+            vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
+                                    mask_len, IS_CAUSAL, MASK_KIND)
+            vis = vis & (row_pos >= 0)[:, None]  # padding rows (their output is zero)
+            # A block no row sees (the upper triangle of a masked prefill, padding) costs no loads or dots.
+            if tl.max(tl.max(vis.to(tl.int32), 1), 0) > 0:
+                in_sink = key_ok & (j < S)
+                in_chunk = key_ok & ~in_sink & (j >= c0) & (j < c_end)
+                in_ring = key_ok & ~in_sink & ~in_chunk
+                if HAS_RING:
+                    ring_slot = tl.where(in_ring, j % tl.maximum(W, 1), 0)
+                else:
+                    ring_slot = j * 0
+                row_s = b * ss_b + tl.where(in_sink, j, 0) * ss_t + h * ss_h
+                row_r = b * sr_b + ring_slot * sr_t + h * sr_h
+                kb = tl.where(in_sink, ks_ptr + row_s, kr_ptr + row_r)
+                vb = tl.where(in_sink, vs_ptr + row_s, vr_ptr + row_r)
+                if HAS_CHUNK:
+                    row_c = b * sch_b + tl.where(in_chunk, j - c0, 0) * sch_t + h * sch_h
+                    kb = tl.where(in_chunk, kch_ptr + row_c, kb)
+                    vb = tl.where(in_chunk, vch_ptr + row_c, vb)
+                if ALIGNED:  # rows start on 16 bytes (all three buffers): vector loads despite the select
+                    kb = tl.multiple_of(kb, 16)
+                    vb = tl.multiple_of(vb, 16)
+                k = tl.load(kb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
+                s = tl.where(vis, tl.dot(qq, tl.trans(k)) + bias, float("-inf"))
+                p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
+                v = tl.load(vb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
+                acc = tl.dot(p.to(DT), v, acc * alpha[:, None])
+                m_i = m_new
 
     # partial softmax state of this split: m, l and the unnormalized output (rotated basis)
     base = (pid_bh * M_TOTAL + r) * NS + split
@@ -388,7 +408,7 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, 
     Splits are read ``SB`` at a time (``[BLOCK_M, SB, D]`` tiles): a batch-1 decode has ~70 splits, and
     one load round trip per split cost 34 us of 207 at 1 x 128K on the H200 (25 us in tiles)."""
     pid_bh = tl.program_id(0)
-    b = pid_bh // H
+    b = (pid_bh // H).to(tl.int64)  # the output may pass 2^31 elements
     h = pid_bh % H
     r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < M_TOTAL
@@ -462,9 +482,8 @@ def _as_words(codes: torch.Tensor) -> torch.Tensor:
                          f"(got shape {tuple(codes.shape)}, strides {codes.stride()}): {e}") from None
 
 
-def num_splits(batch: int, kv_heads: int, m_blocks: int, page_keys: int, block_n: int, device) -> int:
-    """Splits of the page region so that even one long sequence fills the GPU (from shapes only)."""
-    sms = _sm_count(device)
+def num_splits(batch: int, kv_heads: int, m_blocks: int, page_keys: int, block_n: int, sms: int) -> int:
+    """Splits of the page region so that even one long sequence fills the GPU's ``sms`` SMs (from shapes only)."""
     base = max(1, batch * kv_heads * m_blocks)
     # About two programs per SM (two fit at ~250 registers). Four, the earlier choice, measured slower on
     # the H200 (results/decode_attention_h200_probe.json, half the splits: 1 x 128K 181 vs 207 us,
@@ -483,12 +502,111 @@ def page_region_warps(batch: int, kv_heads: int, page_m_blocks: int, page_m: int
     return 2 if page_m <= 16 and batch * kv_heads * page_m_blocks >= _sm_count(device) else 4
 
 
+# Bytes of the temporaries one launch group may hold (the rotated queries and the splits' partial
+# softmax states, [rows x splits x d] fp32). A long prompt is processed in query tiles that fit: without
+# this bound the partials of a 64 x 8K prefill were ~34 GB and their int32 offsets overflowed (H200).
+TEMP_BYTES_BUDGET = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one ``oscar::attention`` call is cut into launches (from shapes only: nothing is read back).
+
+    Query tokens are processed ``tile_tokens`` at a time; within a tile, ``m_total = G * tile_tokens``
+    query rows per (row, KV head) in blocks of ``block_m`` (``page_m`` for the page region), the page
+    region in ``nsplit`` key splits and the BF16 keys in ``nb`` splits of their own.
+    """
+
+    tile_tokens: int
+    m_total: int
+    block_m: int
+    m_blocks: int
+    page_m: int
+    page_m_blocks: int
+    block_n: int
+    nsplit: int
+    keys_per_split: int
+    bf16_per_split: int
+    nb: int
+    temp_bytes: int  # what one tile allocates (qq + partial states)
+
+    @property
+    def ns(self) -> int:
+        return self.nsplit + self.nb
+
+
+BF16_BLOCK_N = 64
+
+
+def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms: int, block_n: int,
+               splits: int | None) -> AttentionPlan:
+    m_total = g * tq
+    block_m = 16 if m_total <= 16 else (32 if m_total <= 32 else 64)
+    m_blocks = triton.cdiv(m_total, block_m)
+    # The page region takes at most 32 query rows a program: with 64 the unpacked codes become a wgmma
+    # operand whose shared layout Triton 3.6/3.7 reject for d = 64 ("Illegal shared layout"), and d = 128
+    # spills. Each launch indexes the partial state by query row, so the two regions may block rows differently.
+    page_m = min(block_m, 32)
+    page_m_blocks = triton.cdiv(m_total, page_m)
+    page_keys = geo.max_pages * geo.page_size
+    bf16_keys = max(1, geo.num_sinks + geo.window + chunk_len)  # sinks, ring and the new chunk
+    # Query blocks alone fill the GPU (prefill): splitting the keys would only add partial states to merge.
+    filled = b * h * m_blocks >= 2 * sms
+    if splits:
+        nsplit = int(splits)
+    elif filled:
+        nsplit = 1
+    else:
+        nsplit = num_splits(b, h, page_m_blocks, page_keys, block_n, sms)
+    keys_per_split = triton.cdiv(triton.cdiv(page_keys, nsplit), block_n) * block_n
+    if filled and not splits:
+        bf16_per_split = triton.cdiv(bf16_keys, BF16_BLOCK_N) * BF16_BLOCK_N
+    else:
+        # The BF16 keys get splits of their own, each about as many bytes as a page split (a BF16 key is ~7x
+        # an INT2 one), so at short contexts they are not the tail. At small batch that is too few programs
+        # (8 at batch 1: latency-bound), so also aim for ~2 per SM.
+        fill = triton.cdiv(bf16_keys, max(1, 2 * sms // (b * h * m_blocks)))
+        bf16_per_split = triton.cdiv(min(max(keys_per_split // 7, 1), fill), BF16_BLOCK_N) * BF16_BLOCK_N
+    nb = triton.cdiv(bf16_keys, bf16_per_split)
+    rows = b * h * m_total
+    temp = rows * d * 2 + rows * (nsplit + nb) * (d + 2) * 4  # qq (fp16) + partial o, m, l (fp32)
+    return AttentionPlan(tq, m_total, block_m, m_blocks, page_m, page_m_blocks, block_n, nsplit, keys_per_split,
+                         bf16_per_split, nb, temp)
+
+
+def plan_attention(b: int, hq: int, t: int, geo, device, block_n: int | None = None, splits: int | None = None,
+                   budget: int = TEMP_BYTES_BUDGET, chunk_len: int | None = None) -> AttentionPlan:
+    """The launch plan of an attention call with ``b`` rows of ``t`` query tokens of ``hq`` heads.
+
+    Temporaries stay within ``budget`` bytes whatever ``b x t``: a prompt whose partial states would not
+    fit is processed in query tiles (a decode step, one token a row, is one tile up to huge batches).
+    """
+    h, d = geo.num_kv_heads, geo.head_dim
+    g = hq // h
+    block_n = block_n or (64 if d > 128 else 128)
+    sms = _sm_count(device) if isinstance(device, torch.device) else int(device)
+    chunk_len = t if chunk_len is None else chunk_len
+    tq = max(t, 1)
+    plan = _plan_tile(b, h, g, tq, chunk_len, d, geo, sms, block_n, splits)
+    for _ in range(8):  # shrinking a tile can add splits (fewer rows): re-plan until it fits
+        if plan.temp_bytes <= budget or tq == 1:
+            break
+        tq = max(1, min(tq - 1, tq * budget // plan.temp_bytes))
+        if tq > 16:
+            tq -= tq % 16  # whole 64-row blocks at GQA 4
+        plan = _plan_tile(b, h, g, tq, chunk_len, d, geo, sms, block_n, splits)
+    if plan.temp_bytes > budget and tq > 1:  # pragma: no cover - the loop converges in 2-3 steps
+        raise RuntimeError(f"oscar: no query tile of {b} x {hq} heads fits {budget} bytes of temporaries")
+    return plan
+
+
 def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring,
                      block_table, query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
                      k_chunk=None, v_chunk=None, chunk_positions=None, block_n: int | None = None,
                      splits: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                      dot_dtype: torch.dtype = torch.float16, ablate: int = 0, unpack: str | None = None,
-                     maxnreg: int | None = None, page_warps: int | None = None):
+                     maxnreg: int | None = None, page_warps: int | None = None,
+                     temp_budget: int = TEMP_BYTES_BUDGET):
     """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
 
     The chunk, when given, must be the row's newest tokens (what ``store`` just returned).
@@ -500,36 +618,18 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     h = geo.num_kv_heads
     g = hq // h
     dev = q.device
+    out = torch.empty(b, hq, t, d, dtype=q.dtype, device=dev)
+    if b == 0 or t == 0:
+        return out
     pos = positions.expand(b, t) if positions.dim() == 1 else positions
     lens = seq_lens.expand(b) if seq_lens.numel() == 1 else seq_lens
-    m_total = g * t
-    block_m = 16 if m_total <= 16 else (32 if m_total <= 32 else 64)
-    m_blocks = triton.cdiv(m_total, block_m)
-    block_n = block_n or (64 if d > 128 else 128)
-    page_keys = geo.max_pages * geo.page_size
-    # The page region takes at most 32 query rows a program: with 64 the unpacked codes become a wgmma
-    # operand whose shared layout Triton 3.6/3.7 reject for d = 64 ("Illegal shared layout"), and d = 128
-    # spills. Each launch indexes the partial state by query row, so the two regions may block rows differently.
-    page_m = min(block_m, 32)
-    page_m_blocks = triton.cdiv(m_total, page_m)
-    nsplit = splits or num_splits(b, h, page_m_blocks, page_keys, block_n, dev)
-    LAST_LAUNCH["splits"] = nsplit
-    keys_per_split = triton.cdiv(triton.cdiv(page_keys, nsplit), block_n) * block_n
-    # The BF16 keys (sinks, ring, chunk: at most S + W + t) get splits of their own, each about as many
-    # bytes as a page split (a BF16 key is ~7x an INT2 one), so at short contexts they are not the tail.
-    # At small batch that is too few programs (8 at batch 1: latency-bound), so also aim for ~2 per SM.
-    bf16_keys = geo.num_sinks + geo.window + t
-    bn_bf16 = 64
-    fill = triton.cdiv(bf16_keys, max(1, 2 * _sm_count(dev) // (b * h * m_blocks)))
-    bf16_per_split = triton.cdiv(min(max(keys_per_split // 7, 1), fill), bn_bf16) * bn_bf16
-    nb = triton.cdiv(bf16_keys, bf16_per_split)
-    ns = nsplit + nb
-    part_m = torch.empty(b * h * m_total * ns, dtype=torch.float32, device=dev)
-    part_l = torch.empty_like(part_m)
-    part_o = torch.empty(b * h * m_total * ns * d, dtype=torch.float32, device=dev)
     has_chunk = k_chunk is not None
+    chunk_len = k_chunk.shape[1] if has_chunk else 0
+    plan = plan_attention(b, hq, t, geo, dev, block_n, splits, temp_budget, chunk_len=chunk_len)
+    LAST_LAUNCH["splits"] = plan.nsplit
+    LAST_LAUNCH["plan"] = plan
     if has_chunk:
-        cpos = chunk_positions.expand(b, k_chunk.shape[1]) if chunk_positions.dim() == 1 else chunk_positions
+        cpos = chunk_positions.expand(b, chunk_len) if chunk_positions.dim() == 1 else chunk_positions
         c0 = torch.where(cpos >= 0, cpos, torch.iinfo(cpos.dtype).max).amin(-1)
         c_end = cpos.amax(-1) + 1
         kch, vch = k_chunk, v_chunk
@@ -538,47 +638,71 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
         kch, vch = k_sink, v_sink  # unused
     if attn_mask is not None:
         mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-        mask = mask.expand(b, hq, t, mask.shape[-1])
         mask_kind = 1 if mask.dtype == torch.bool else 2
         if mask.dtype == torch.bool:
-            mask = mask.view(torch.uint8) if mask.is_contiguous() else mask.to(torch.uint8)
-        smk = mask.stride()
+            mask = mask.view(torch.uint8)  # same bytes, any strides: never materialise a broadcast mask
+        mask = mask.expand(b, hq, t, mask.shape[-1])  # stride 0 where it broadcasts
         mask_len = mask.shape[-1]
     else:
-        mask, mask_kind, smk, mask_len = q, 0, (0, 0, 0, 0), 0
+        mask, mask_kind, mask_len = None, 0, 0
     # Tensor-core operands: fp16 (codes 0..3 are exact, q' and P keep 11 bits; BF16 cache rows convert
     # exactly within fp16's range). bf16 keeps range for caches with |x| > 65504, at 8 bits.
     kw, vw = _as_words(k_codes), _as_words(v_codes)
     use_asm = (unpack or DEFAULT_UNPACK) == "asm" and dev.type == "cuda" and not _INTERPRET
     dt = tl.bfloat16 if dot_dtype == torch.bfloat16 else tl.float16
-    out = torch.empty(b, hq, t, d, dtype=q.dtype, device=dev)
     f32 = lambda x: x.float().contiguous()  # noqa: E731
-    qq = torch.empty(b * h * m_total, d, dtype=dot_dtype, device=dev)
-    _query_kernel[(b * h, m_blocks)](q, q.stride(0), q.stride(1), q.stride(2), f32(query_transform), qq, m_total, scale * LOG2E,
-                                      H=h, G=g, D=d, BLOCK_M=block_m, KC=min(d, 64))
+    bq, bo, muv = f32(query_transform), f32(output_transform), f32(value_mean)
+    # One set of temporaries, sized for the first (largest) tile and reused by every tile.
+    rows = b * h * plan.m_total
+    qq = torch.empty(rows, d, dtype=dot_dtype, device=dev)
+    part_m = torch.empty(rows * plan.ns, dtype=torch.float32, device=dev)
+    part_l = torch.empty_like(part_m)
+    part_o = torch.empty(rows * plan.ns * d, dtype=torch.float32, device=dev)
+    aligned = _aligned16(k_codes, v_codes, k_sink, v_sink, k_ring, v_ring, kch, vch)
+    for t0 in range(0, t, plan.tile_tokens):
+        t1 = min(t, t0 + plan.tile_tokens)
+        tile = plan if t1 - t0 == plan.tile_tokens else plan_attention(
+            b, hq, t1 - t0, geo, dev, block_n, splits, temp_budget, chunk_len=chunk_len)
+        _launch_tile(tile, q[:, :, t0:t1], pos[:, t0:t1], lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta,
+                     k_sink, v_sink, k_ring, v_ring, block_table,
+                     None if mask is None else mask[:, :, t0:t1], mask_kind, mask_len, bq, bo, muv, is_causal, scale,
+                     qq, part_m, part_l, part_o, out[:, :, t0:t1], geo, h, g, d, dt, use_asm, aligned, ablate,
+                     num_warps, num_stages, maxnreg, page_warps, has_chunk)
+    return out
+
+
+def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring,
+                 block_table, mask, mask_kind, mask_len, bq, bo, muv, is_causal, scale, qq, part_m, part_l, part_o,
+                 out, geo, h, g, d, dt, use_asm, aligned, ablate, num_warps, num_stages, maxnreg, page_warps,
+                 has_chunk):
+    """The four launches of one query tile: rotate queries, page region, BF16 keys, merge."""
+    b = q.shape[0]
+    m_total, ns = plan.m_total, plan.ns
+    smk = mask.stride() if mask is not None else (0, 0, 0, 0)
+    _query_kernel[(b * h, plan.m_blocks)](q, q.stride(0), q.stride(1), q.stride(2), bq, qq, m_total, scale * LOG2E,
+                                          H=h, G=g, D=d, BLOCK_M=plan.block_m, KC=min(d, 64))
     args = (
         qq, pos, pos.stride(0), lens, lens.stride(0),
         c0, c_end, kch, vch, kch.stride(0), kch.stride(1), kch.stride(2),
         kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring, block_table, block_table.stride(0),
         kw.stride(0), kw.stride(1), kw.stride(2), k_meta.stride(0), k_meta.stride(1), k_meta.stride(2),
         k_sink.stride(0), k_sink.stride(1), k_sink.stride(2), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
-        mask, smk[0], smk[1], smk[2], smk[3], mask_len,
-        part_m, part_l, part_o, t, m_total, keys_per_split, bf16_per_split, geo.num_sinks, geo.window, nsplit, ns,
+        q if mask is None else mask, smk[0], smk[1], smk[2], smk[3], mask_len,
+        part_m, part_l, part_o, m_total, plan.keys_per_split, plan.bf16_per_split, geo.num_sinks, geo.window,
+        plan.nsplit, ns,
     )
-    meta = dict(H=h, G=g, D=d, NG=geo.num_groups, PS=geo.page_size, HAS_RING=geo.window > 0, BLOCK_M=block_m,
-                BLOCK_N=block_n, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_CHUNK=has_chunk, DT=dt,
-                KC=min(d, 64), ALIGNED=_aligned16(k_codes, v_codes, k_sink, v_sink, k_ring, v_ring, kch, vch), ABLATE=ablate, USE_ASM=use_asm,
-                num_warps=num_warps or 4, num_stages=num_stages)
+    meta = dict(H=h, G=g, D=d, NG=geo.num_groups, PS=geo.page_size, HAS_RING=geo.window > 0,
+                IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_CHUNK=has_chunk, DT=dt, KC=min(d, 64),
+                ALIGNED=aligned, ABLATE=ablate, USE_ASM=use_asm, num_stages=num_stages)
     page_opts = {"maxnreg": maxnreg} if maxnreg else {}  # a register cap trades spills for CTAs per SM
     # warps: page_warps for the page region alone, else num_warps for both regions, else the heuristic
-    page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, page_m_blocks, page_m, dev)
-    LAST_LAUNCH["attention"] = _attn_kernel[(b * h, page_m_blocks, nsplit)](
-        *args, REGION=0, **dict(meta, BLOCK_M=page_m, **page_opts))
-    LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, m_blocks, nb)](*args, REGION=1, **dict(meta, BLOCK_N=bn_bf16))
+    page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, plan.page_m_blocks, plan.page_m, q.device)
+    LAST_LAUNCH["attention"] = _attn_kernel[(b * h, plan.page_m_blocks, plan.nsplit)](
+        *args, REGION=0, BLOCK_M=plan.page_m, BLOCK_N=plan.block_n, **meta, **page_opts)
+    LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, plan.m_blocks, plan.nb)](
+        *args, REGION=1, BLOCK_M=plan.block_m, BLOCK_N=BF16_BLOCK_N, num_warps=num_warps or 4, **meta)
     merge_m = 16
     LAST_LAUNCH["merge"] = _merge_kernel[(b * h, triton.cdiv(m_total, merge_m))](
-        part_m, part_l, part_o, f32(output_transform), f32(value_mean), out, out.stride(0), out.stride(1),
-        out.stride(2), pos, pos.stride(0), m_total, ns, H=h, G=g, D=d,
-        BLOCK_M=merge_m, KC=min(d, 32), SB=max(1, 512 // d),
+        part_m, part_l, part_o, bo, muv, out, out.stride(0), out.stride(1), out.stride(2), pos, pos.stride(0),
+        m_total, ns, H=h, G=g, D=d, BLOCK_M=merge_m, KC=min(d, 32), SB=max(1, 512 // d),
     )
-    return out

@@ -155,7 +155,7 @@ def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                   K_CLIP: tl.constexpr, V_CLIP: tl.constexpr, HAS_RING: tl.constexpr):
     # Keys and values in separate programs (grid axis 2 = side * NH + head): a decode step has one
     # token, so at small batch each program's serial chain is the latency.
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # k/v of a large batch pass 2^31 elements
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(2) % NH
     inb = t < T

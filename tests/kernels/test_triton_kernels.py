@@ -18,7 +18,15 @@ import torch
 from oscar_compile import PagedInt2KVCache
 from oscar_compile.kernels.attention import attention_reference
 from oscar_compile.kernels.store import store_reference
-from oscar_compile.kernels.triton_attention import LAST_LAUNCH, _sm_count, attention_triton, page_region_warps
+from oscar_compile.kernels.checks import CacheGeometry
+from oscar_compile.kernels.triton_attention import (
+    LAST_LAUNCH,
+    TEMP_BYTES_BUDGET,
+    _sm_count,
+    attention_triton,
+    page_region_warps,
+    plan_attention,
+)
 from oscar_compile.kernels.triton_store import store_triton
 from oscar_compile.quant import dequantize_int2
 from oscar_compile.testing import rel_error, twin_caches
@@ -107,6 +115,60 @@ def test_many_key_blocks_and_splits_small():
     _run_case(h=2, gqa=2, d=64, lengths=(83, 47, 5), s=3, w=5, ps=8, decode_steps=1, seed=3, block_n=16, splits=3)
     # more splits than the merge reads at once (8 for d = 64), so it combines them in several chunks
     _run_case(h=1, gqa=4, d=64, lengths=(150,), s=2, w=3, ps=8, decode_steps=1, seed=4, block_n=16, splits=11)
+
+
+def _prefill_chunks(h, gqa, d, chunks, s, w, ps, mask, seed, **kernel_options):
+    """A prompt stored and attended in ``chunks`` (each [batch] lengths), every chunk checked against the
+    reference: later chunks read the earlier ones from the cache (pages, ring) and themselves exactly."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(chunks[0])
+    max_len = sum(max(c) for c in chunks) + 1
+    ref, got = twin_caches(h, d, batch, max_len, s, w, ps, None, torch.float32, "invertible", 0.95, seed, device=DEV)
+    start = [0] * batch
+    for chunk in chunks:
+        t = max(chunk)
+        pos = torch.stack([torch.where(torch.arange(t) < n, st + torch.arange(t), -1)
+                           for st, n in zip(start, chunk)]).to(DEV)
+        k, v = (torch.randn(batch, h, t, d, generator=gen).to(DEV) for _ in range(2))
+        ck, cv = store_reference(*ref.store_args(0, k, v, pos))
+        store_triton(*got.store_args(0, k, v, pos))
+        q = torch.randn(batch, h * gqa, t, d, generator=gen).to(DEV)
+        causal = torch.arange(max_len, device=DEV)[None, None, None, :] <= pos[:, None, :, None]
+        m = causal if mask else None  # a bool mask (as transformers passes) or is_causal
+        a = ref.attention_args(0, q, pos, pos.amax(-1) + 1, m, not mask, chunk=(ck, cv, pos))
+        assert rel_error(attention_triton(*a, **kernel_options), attention_reference(*a)) < ATTN_TOL
+        start = [st + n for st, n in zip(start, chunk)]
+    return LAST_LAUNCH["plan"]
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["causal", "bool_mask"])
+def test_prefill_in_query_tiles_small(mask):
+    # A temporary budget of a few tokens: the prompt runs in several query tiles (the last one shorter),
+    # over two chunks with padding; tiles must cover every query exactly once and read the same keys.
+    budget = 20000  # bytes: about 8 query tokens of 2 rows x 2 heads with their partial states
+    plan = _prefill_chunks(h=1, gqa=2, d=64, chunks=[(37, 20), (29, 33)], s=2, w=6, ps=8, mask=mask, seed=7,
+                           temp_budget=budget, block_n=16)
+    assert plan.tile_tokens < 33 and plan.temp_bytes <= budget
+
+
+LLAMA3_8B_LAYER = dict(num_kv_heads=8, head_dim=128, num_groups=1, num_sinks=64, window=256, page_size=16)
+
+
+@pytest.mark.parametrize("batch,tokens,max_len", [(64, 8192, 8192), (32, 8192, 8192), (8, 8000, 8192),
+                                                  (1, 131072, 131072), (512, 1, 32768), (1, 1, 131072)])
+def test_plan_bounds_temporaries_at_serving_scale(batch, tokens, max_len):
+    # H200 shapes (132 SMs) that crashed with an illegal memory access (int32 offsets of ~34 GB of partial
+    # states) or ran out of memory: temporaries now stay within a constant budget, their offsets in int32.
+    geo = CacheGeometry(num_pages=batch * max_len // 16, batch_capacity=batch, max_pages=max_len // 16,
+                        **LLAMA3_8B_LAYER)
+    plan = plan_attention(batch, 32, tokens, geo, 132)
+    assert plan.temp_bytes <= TEMP_BYTES_BUDGET
+    assert batch * 8 * plan.m_total * plan.ns * 128 < 2**31
+    if tokens > 1:  # prefill: query blocks fill the GPU, so the keys are not split
+        assert (plan.nsplit, plan.nb) == (1, 1)
+        assert plan.tile_tokens >= min(tokens, 64)
+    else:  # decode: split to fill the GPU
+        assert plan.tile_tokens == 1 and (batch > 1 or plan.nsplit > 1)
 
 
 def test_clip_quantile_with_tied_magnitudes_small():
