@@ -21,8 +21,10 @@ from typing import Any
 import torch
 from torch import fx
 
+from . import ops
 from .cache import LayerTransforms, PagedInt2KVCache
 from .passes.matcher import AttentionMatch, GraphAnalysis, analyze
+from .passes.release import ReleasedBuffers
 from .passes.rewrite import Rewritten, rewrite
 
 log = logging.getLogger("oscar_compile.backend")
@@ -77,6 +79,9 @@ class BackendOptions:
     inductor: bool = True  # False: run the rewritten graph eagerly (fast to compile, for tests)
     strict: bool = False  # raise if any attention call is left unmatched
     validate: bool = True  # propagate fake tensors through the rewritten graph before compiling
+    # Free the dense K/V buffers a model owns (registered buffers) once every graph's reads and writes of
+    # them were rewritten; only for a model attached by oscar_compile.compile, which then refuses eager calls.
+    release_dead_caches: bool = True
 
 
 class OscarBackend:
@@ -93,6 +98,8 @@ class OscarBackend:
         self.observer = observer  # observe mode (calibration): record what would be stored, rewrite nothing
         self.storage: dict[tuple, PagedInt2KVCache] = {}
         self.graphs: list[CompiledGraph] = []
+        self.released = ReleasedBuffers()
+        self._model = None  # weakref to the model attached by oscar_compile.compile (owner of releasable buffers)
 
     # ------------------------------------------------------------------ torch.compile entry
     def __call__(self, gm: fx.GraphModule, example_inputs, **kwargs):
@@ -125,6 +132,7 @@ class OscarBackend:
         if self.observer is not None:
             from .passes.observe import insert_observers
 
+            self._refuse_released_uses(gm, example_inputs)
             insert_observers(gm, analysis, self.observer.record, lambda m: self._slot(m)[2])
             record = CompiledGraph(len(self.graphs), analysis, [], before, gm.code)
             self.graphs.append(record)
@@ -132,12 +140,58 @@ class OscarBackend:
         if self.artifacts is not None:
             self._check_artifact_layers(analysis)
         rewritten = rewrite(gm, analysis, self._storage_for)
+        self._refuse_released_uses(gm, example_inputs)
         if self.options.validate and example_inputs is not None:
             _validate(gm, example_inputs)
+        self._release_dead_caches(gm, example_inputs, rewritten)
         record = CompiledGraph(len(self.graphs), analysis, rewritten, before, gm.code)
         self.graphs.append(record)
         self._log(record)
         return record
+
+    # ------------------------------------------------------------------ dense buffers made dead
+    def attach(self, model: torch.nn.Module) -> None:
+        """Let this backend free ``model``'s own dense K/V buffers once the rewrite has made them dead
+        (``release_dead_caches``), and refuse eager forwards from then on (they would read freed memory)."""
+        import weakref
+
+        self._model = weakref.ref(model)
+        released = self.released
+
+        def refuse_eager(module, args):
+            # is_compiling() first: inside a compiled forward the hook is traced away without a guard.
+            if not torch.compiler.is_compiling() and released:
+                raise ops.UnrewrittenCacheError(
+                    f"oscar: {type(module).__name__} ran eagerly, but oscar_backend released its dense K/V buffers "
+                    f"({', '.join(released.names()[:4])}{', ...' if len(released.names()) > 4 else ''}: "
+                    f"{released.nbytes / 2**30:.2f} GiB) after rewriting every read and write of them to its INT2 "
+                    "cache. Call it through the compiled model (a Dynamo fallback to eager, e.g. after too many "
+                    "recompiles, also lands here), or compile with release_dead_caches=False to keep them."
+                )
+
+        model.register_forward_pre_hook(refuse_eager)
+
+    def _release_dead_caches(self, gm: fx.GraphModule, example_inputs, rewritten: list[Rewritten]) -> None:
+        model = self._model() if self._model is not None else None
+        if not (self.options.release_dead_caches and model is not None and example_inputs is not None):
+            return
+        candidates = {n for r in rewritten if r.match.write_kind != "cat"
+                      for n in (r.match.key_write.buffer, r.match.value_write.buffer)}
+        owned = {id(b) for b in model.buffers()}
+        for rec in self.released.release_dead(gm, example_inputs, candidates, owned):
+            log.info("oscar: released %s (%.1f MiB): every read and write of it now goes to the INT2 cache",
+                     rec.name, rec.nbytes / 2**20)
+
+    def _refuse_released_uses(self, gm: fx.GraphModule, example_inputs) -> None:
+        if example_inputs is None or not self.released:
+            return
+        bad = self.released.uses(gm, example_inputs)
+        if bad:
+            raise UnsupportedGraphError(
+                "oscar: this graph uses dense K/V buffers that oscar released after an earlier graph rewrote them "
+                "(they hold no memory now): " + "; ".join(bad[:4]) + ". Check `oscar explain` for why its attention "
+                "was not rewritten, or compile with release_dead_caches=False."
+            )
 
     # ------------------------------------------------------------------ storage
     def _slot(self, m: AttentionMatch) -> tuple[Any, str, int]:
@@ -260,8 +314,15 @@ def oscar_entry_point(gm, example_inputs, **kwargs):
     return default_backend()(gm, example_inputs, **kwargs)
 
 
-def compile(model, artifacts=None, *, fullgraph: bool = False, mode: str | None = None, dynamic=None, **options):
+def compile(model, artifacts=None, *, fullgraph: bool = False, mode: str | None = None, dynamic=None,
+            prefill_chunk_size: int | None = None, **options):
     """Compile ``model`` in place with the oscar backend and return it (``model.generate`` then uses it).
+
+    ``prefill_chunk_size``: ``generate`` prefills long prompts in chunks of this many tokens
+    (transformers' ``generation_config.prefill_chunk_size``): activations and the attention mask then
+    scale with the chunk, not the prompt. Each chunk reads the earlier ones from the INT2 cache.
+    A model that owns dense K/V buffers (a hand-written decoder) gets them released once the rewrite
+    has made them dead (``release_dead_caches``, default on); eager forwards are refused from then on.
 
     ``torch.compile(model)`` returns a wrapper whose ``generate`` still calls the uncompiled model;
     this uses ``nn.Module.compile`` instead, and tells transformers not to wrap the model in a second
@@ -271,8 +332,11 @@ def compile(model, artifacts=None, *, fullgraph: bool = False, mode: str | None 
     if artifacts is not None:
         artifacts.validate(model)
     backend = oscar_backend(artifacts, **options)
+    backend.attach(model)
     model.compile(backend=backend, fullgraph=fullgraph, mode=mode, dynamic=dynamic)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.disable_compile = True
+        if prefill_chunk_size is not None:
+            model.generation_config.prefill_chunk_size = int(prefill_chunk_size)
     model.oscar_backend = backend
     return model

@@ -197,8 +197,10 @@ def reference_attention(cache: PagedInt2KVCache):
         t, length = query.shape[2], key.shape[2]
         positions = torch.arange(length - t, length, device=query.device)
         kt, vt = cache.store(module.layer_idx, key[:, :, -t:], value[:, :, -t:], positions)
+        # No mask with several queries means causal over the absolute positions (bottom-right aligned: a later
+        # prefill chunk sees the earlier ones), which is what transformers' mask would say.
         causal = bool(t > 1 and attention_mask is None and (is_causal if is_causal is not None else module.is_causal))
-        q_pos = torch.arange(t, device=query.device) if causal else positions
+        q_pos = positions
         seq_lens = torch.full((1,), length, device=query.device)
         out = cache.attention(module.layer_idx, query, q_pos, seq_lens=seq_lens, attn_mask=attention_mask,
                               is_causal=causal, scale=scaling, chunk=(kt, vt, positions))
