@@ -38,7 +38,7 @@ for step in "${@:-tests bench}"; do for s in $step; do
          "$NCU" -i "$OUT/pages.ncu-rep" --page source --print-source sass --csv > "$OUT/pages_sass.csv" 2>&1
          "$NCU" -i "$OUT/pages.ncu-rep" --page details > "$OUT/pages_details.txt" 2>&1
          python3 benchmarks/ncu_summary.py "$OUT/pages_sass.csv"; grep -i "bank\|excessive" "$OUT/pages_details.txt" | head -20 ;;
-    bench) timeout 210 python3 benchmarks/bench_decode.py --sweep --profile --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^    " ;;
+    bench) timeout ${BENCH_TIMEOUT:-210} python3 benchmarks/bench_decode.py ${BENCH_ARGS:---profile} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^    " ;;
     e2e) timeout 400 python3 benchmarks/e2e_gpu.py --models "${E2E_MODELS:-smollm2,llama3-8b:8}" --configs "${E2E_CONFIGS:-int2,eager}" \
            --config-timeout 120 --out "$OUT/e2e_h200.json" 2>&1 | tee "$OUT/e2e.log" | grep "^{" ;;
   esac

@@ -171,6 +171,44 @@ def test_plan_bounds_temporaries_at_serving_scale(batch, tokens, max_len):
         assert plan.tile_tokens == 1 and (batch > 1 or plan.nsplit > 1)
 
 
+def _row_subset(args: tuple, rows: list[int]) -> tuple:
+    """``attention_args`` restricted to some batch rows (rows are independent; the page pools are shared)."""
+    (q, pos, lens, kc, km, vc, vm, ks, vs, kr, vr, bt, *rest) = args
+    *mid, kch, vch, cpos = rest
+    sel = lambda x: x if x is None or x.dim() == 1 and x is not lens else x[rows]  # noqa: E731  ([T] positions: shared)
+    return (q[rows], sel(pos), sel(lens), kc, km, vc, vm, ks[rows], vs[rows], kr[rows], vr[rows], bt[rows],
+            *mid, sel(kch), sel(vch), sel(cpos))
+
+
+@pytest.mark.gpu
+def test_prefill_past_int32_offsets_gpu():
+    # 64 x 8192 tokens x 32 query heads x d 128: the query and output hold 2^31 elements, the bool mask
+    # 2^32 bytes once broadcast. This shape crashed with an illegal memory access (int32 offsets of
+    # gigabytes of partial states); now it runs in bounded query tiles. Checked on sampled rows.
+    b, h, g, d, t = 64, 8, 4, 128, 8192
+    cache, _ = twin_caches(h, d, b, t, 64, 256, 16, None, torch.bfloat16, "orthogonal", 0.95, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k, v = (torch.randn(b, h, t, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    pos = torch.arange(t, device="cuda")
+    ck, cv = store_triton(*cache.store_args(0, k, v, pos))
+    del k, v
+    q = torch.randn(b, h * g, t, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    assert q.numel() >= 2**31
+    mask = torch.ones(t, t, dtype=torch.bool, device="cuda").tril()[None, None]  # broadcast over batch and heads
+    lens = torch.full((b,), t, device="cuda")
+    for m, causal in ((None, True), (mask, False)):
+        a = cache.attention_args(0, q, pos, lens, m, causal, chunk=(ck, cv, pos))
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = attention_triton(*a)
+        # temporaries: the budget plus allocator rounding, far below the 4 GiB output itself
+        assert torch.cuda.max_memory_allocated() - before - out.numel() * 2 < TEMP_BYTES_BUDGET * 1.25
+        for rows in ([0, 37], [b - 1]):
+            ref = attention_reference(*_row_subset(a, rows))
+            assert rel_error(out[rows], ref) < ATTN_TOL, rows
+        del out
+
+
 def test_clip_quantile_with_tied_magnitudes_small():
     # integer-valued rows: |x| has many ties, at and around the clip quantile (the kernel finds the
     # quantile by maxima and tie counts, the reference by sorting; they must agree exactly)
