@@ -139,21 +139,27 @@ def profile_both(q, b, length, device, int2_call, backend: str) -> dict | None:
         return None
 
 
+def fill_random_int2(cache, seed: int = 0) -> None:
+    """Random codes, (scale, min) and BF16 rows in every layer of ``cache`` (timing does not depend on values;
+    zeros could make it look faster than real data)."""
+    g = torch.Generator(device=cache.device).manual_seed(seed)
+    for layer in cache.layers:
+        for codes in (layer.k_codes, layer.v_codes):
+            codes.copy_(torch.randint(0, 256, codes.shape, device=cache.device, generator=g, dtype=torch.int32).to(torch.uint8))
+        for meta in (layer.k_meta, layer.v_meta):
+            meta[..., 0].uniform_(0.01, 0.2, generator=g)
+            meta[..., 1].normal_(0, 0.3, generator=g)
+        for t in (layer.k_sink, layer.v_sink, layer.k_ring, layer.v_ring):
+            t.normal_(generator=g)
+
+
 def int2_cache(b, length, device, sinks=64, window=256, page=16):
     from oscar_compile import LayerTransforms, PagedInt2KVCache
     from oscar_compile.testing import random_orthogonal
 
     cache = PagedInt2KVCache(1, HKV, D, max_batch_size=b, max_seq_len=length, num_sinks=sinks, window=window,
                              page_size=page, identity_block_table=True, dtype=torch.bfloat16, device=device)
-    layer = cache.layers[0]
-    g = torch.Generator(device=device).manual_seed(0)
-    for codes in (layer.k_codes, layer.v_codes):
-        codes.copy_(torch.randint(0, 256, codes.shape, device=device, generator=g, dtype=torch.int32).to(torch.uint8))
-    for meta in (layer.k_meta, layer.v_meta):
-        meta[..., 0].uniform_(0.01, 0.2, generator=g)
-        meta[..., 1].normal_(0, 0.3, generator=g)
-    for t in (layer.k_sink, layer.v_sink, layer.k_ring, layer.v_ring):
-        t.normal_(generator=g)
+    fill_random_int2(cache)
     rot = random_orthogonal(HKV, D, torch.Generator().manual_seed(0))
     cache.set_transforms(0, LayerTransforms.from_matrices(rot, rot))
     return cache

@@ -71,7 +71,7 @@ class ReleasedBuffers:
             if _live_users(node) or self.is_released(x):
                 continue
             storage = x.untyped_storage()
-            if storage.nbytes() == 0:
+            if storage.nbytes() < x.numel() * x.element_size():  # a stub (one element seen as many) or already freed
                 continue
             rec = Released(source_name(node) or node.name, storage.nbytes(), weakref.ref(x))
             storage.resize_(0)
