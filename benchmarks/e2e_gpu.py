@@ -1,14 +1,15 @@
-"""End to end on the GPU: generate() with the oscar backend (Inductor + the Triton kernels) vs BF16.
+"""End to end on the GPU: transformers' generate() with the oscar backend vs BF16 StaticCache + torch.compile.
 
-Random-weight models with the shapes of SmolLM2-135M and Llama-3-8B (real weights do not fit the
-transfer to the GPU machine), in bf16. For each: BF16 StaticCache + torch.compile (Inductor), and
-OscarCache + oscar backend (INT2), optionally with quantization off (same path, BF16 storage) as a
-check that the rewrite computes what the model computes: greedy tokens must then agree.
-Reports tokens/s of the decode phase and peak GPU memory.
+Random-weight models with the shapes of SmolLM2-135M and Llama-3-8B (full depth unless ``name:layers``;
+real weights do not fit the transfer to the GPU machine), in bf16. Configurations: BF16 StaticCache +
+torch.compile (Inductor; what users run: K/V expanded by repeat_kv), OscarCache + oscar backend (INT2),
+optionally quantization off (same path, BF16 storage). Both prefill long prompts in chunks (transformers'
+``prefill_chunk_size``). Per shape: time to first token and decode tokens/s from one timed generate after
+a warm-up, peak GPU memory of that generate, warm-up time, greedy tokens against BF16.
 
-    python benchmarks/e2e_gpu.py --models smollm2,llama3-8b:8 --configs int2,off,eager,inductor
+    python benchmarks/e2e_gpu.py --models llama3-8b --configs inductor,int2 --shapes 1x32768,32x8192
 
-Each configuration runs in its own process (a compiler crash costs one row, not the run).
+Each configuration runs in its own process (a compiler crash costs its rows, not the run).
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ SHAPES = {
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True),
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192),
+    "tiny": dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512),  # checks of this script
 }
 
 
-def make(name, layers=None):
+def make(name, layers=None, max_positions=None):
     cfg = transformers.LlamaConfig(**SHAPES[name], bos_token_id=1, eos_token_id=2)
     if layers:
         cfg.num_hidden_layers = layers
+    if max_positions:
+        cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
     with torch.device("cuda"):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
@@ -41,48 +46,68 @@ def make(name, layers=None):
     return model
 
 
-def uncompile(model):
-    model._compiled_call_impl = None
-    torch._dynamo.reset()
+class _FirstTokenClock(transformers.LogitsProcessor):
+    """Records when the prefill's logits are ready (synchronised once): time to first token."""
+
+    def __init__(self):
+        self.first = None
+
+    def __call__(self, input_ids, scores):
+        if self.first is None:
+            torch.cuda.synchronize()
+            self.first = time.perf_counter()
+        return scores
 
 
 @torch.no_grad()
-def timed_generate(model, ids, cache, new):
+def timed_generate(model, ids, cache, new, chunk):
+    """Greedy ``generate`` of ``new`` tokens with the prompt prefilled in chunks of ``chunk`` tokens:
+    (tokens, time to first token in s, decode tokens/s over the remaining steps)."""
+    clock = _FirstTokenClock()
+    model.generation_config.prefill_chunk_size = chunk if chunk < ids.shape[1] else None
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False, min_new_tokens=1)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                         logits_processor=transformers.LogitsProcessorList([clock]))
     torch.cuda.synchronize()
     t1 = time.perf_counter()
-    cache.reset()
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False, min_new_tokens=new)
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    decode_s = (t2 - t1) - (t1 - t0)  # minus one prefill (+ first token)
-    return out[:, ids.shape[1]:], ids.shape[0] * (new - 1) / max(decode_s, 1e-9)
+    return out[:, ids.shape[1]:], clock.first - t0, ids.shape[0] * (new - 1) / max(t1 - clock.first, 1e-9)
 
 
-def run_config(model, name, ids, batch, prompt, new, mode, label, opts, weights):
+def make_cache(model, opts, batch, max_len):
     import oscar_compile
 
-    uncompile(model)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
     if opts is None or opts == "eager":
-        if opts is None:
-            model.compile(mode=None if mode == "default" else mode)
-        cache = transformers.StaticCache(config=model.config, max_cache_len=prompt + new + 1)
-    else:
-        oscar_compile.compile(model, mode=mode, **opts)
-        cache = oscar_compile.OscarCache(model, max_cache_len=prompt + new + 1, max_batch_size=batch)
-    timed_generate(model, ids, cache, 3)  # warm both graphs (prefill and decode) once
-    compile_s = time.perf_counter() - t0
-    cache.reset()
-    tokens, tps = timed_generate(model, ids, cache, new)
+        return transformers.StaticCache(config=model.config, max_cache_len=max_len)
+    return oscar_compile.OscarCache(model, max_cache_len=max_len, max_batch_size=batch)
+
+
+def fresh_compile(model):
+    """Forget the graphs (and oscar's INT2 storage) of the previous shape: each shape compiles for itself."""
+    torch._dynamo.reset()
+    backend = getattr(model, "oscar_backend", None)
+    if backend is not None:
+        backend.reset()
+        backend.graphs.clear()  # their graph modules hold the old storage
+    torch.cuda.empty_cache()
+
+
+def run_shape(model, name, batch, prompt, new, chunk, mode, label, opts, weights):
+    fresh_compile(model)
+    ids = torch.randint(3, 1000, (batch, prompt), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    max_len = prompt + new + 1
+    t0 = time.perf_counter()
+    # warm-up: two chunks and two new tokens compile the first-chunk, later-chunk and decode graphs
+    warm = ids[:, :min(2 * chunk, prompt)]
+    timed_generate(model, warm, make_cache(model, opts, batch, max_len), 2, chunk)
+    warm_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    tokens, ttft, tps = timed_generate(model, ids, make_cache(model, opts, batch, max_len), new, chunk)
     peak = torch.cuda.max_memory_allocated()
     row = {"model": name, "layers": model.config.num_hidden_layers, "config": label, "batch": batch,
-           "prompt": prompt, "new_tokens": new, "mode": mode, "decode_tokens_per_s": tps,
-           "peak_gb": peak / 1e9, "peak_above_weights_gb": (peak - weights) / 1e9, "warmup_s": compile_s}
+           "prompt": prompt, "new_tokens": new, "prefill_chunk": chunk, "mode": mode, "ttft_s": ttft,
+           "decode_tokens_per_s": tps, "peak_gb": peak / 1e9, "peak_above_weights_gb": (peak - weights) / 1e9,
+           "warmup_s": warm_s}
     if isinstance(opts, dict):
         row["layers_rewritten"] = [len(g.rewritten) for g in model.oscar_backend.graphs]
         row["int2_storage_gb"] = model.oscar_backend.kv_bytes / 1e9
@@ -99,44 +124,62 @@ CONFIGS = {  # key: (label, options, compile mode: None = the --mode argument)
 
 
 def child(args):
-    """One configuration of one model in this process; writes its row and tokens for the parent."""
+    """One configuration of one model, every shape, in this process; writes rows and tokens for the parent."""
+    import oscar_compile
+
     name, _, layers = args.child.partition(":")
     label, opts, mode = CONFIGS[args.config]
-    model = make(name, int(layers) if layers else None)
-    ids = torch.randint(3, 1000, (args.batch, args.prompt), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    mode = mode or args.mode
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    model = make(name, int(layers) if layers else None, max(p for _, p in shapes) + args.new + 8)
     weights = torch.cuda.memory_allocated()
-    row, tokens = run_config(model, name, ids, args.batch, args.prompt, args.new, mode or args.mode, label, opts, weights)
-    torch.save(tokens.cpu(), args.result + ".pt")
-    Path(args.result + ".json").write_text(json.dumps(row))
+    if opts is None:
+        model.compile(mode=None if mode == "default" else mode)
+    elif opts != "eager":
+        oscar_compile.compile(model, mode=mode, **opts)
+    rows, tokens = [], {}
+    for batch, prompt in shapes:
+        try:
+            row, tok = run_shape(model, name, batch, prompt, args.new, args.chunk, mode, label, opts, weights)
+            tokens[f"{batch}x{prompt}"] = tok.cpu()
+        except Exception as e:  # out of memory at a shape BF16 cannot hold, say: reported, the next shape runs
+            row = {"model": name, "config": label, "batch": batch, "prompt": prompt, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        torch.save(tokens, args.result + ".pt")
+        Path(args.result + ".json").write_text(json.dumps(rows))
 
 
-def run_isolated(spec, config, args, tmp) -> tuple[dict, torch.Tensor | None]:
-    """Run one configuration in a subprocess: a crash (a segfault in a compiler) costs only that row."""
+def run_isolated(spec, config, args, tmp) -> tuple[list, dict]:
+    """Run one configuration in a subprocess: a crash (a segfault in a compiler) costs only its rows."""
     import subprocess
     import sys
 
     result = str(Path(tmp) / f"{spec.replace(':', '_')}_{config}")
-    cmd = [sys.executable, __file__, "--child", spec, "--config", config, "--result", result, "--batch", str(args.batch),
-           "--prompt", str(args.prompt), "--new", str(args.new), "--mode", args.mode]
+    cmd = [sys.executable, __file__, "--child", spec, "--config", config, "--result", result, "--shapes", args.shapes,
+           "--new", str(args.new), "--chunk", str(args.chunk), "--mode", args.mode]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.config_timeout)
         err = None if proc.returncode == 0 else f"exit {proc.returncode}: " + proc.stderr.strip()[-600:]
     except subprocess.TimeoutExpired:
         err = f"timed out after {args.config_timeout} s"
-    if err is None and Path(result + ".json").exists():
-        return json.loads(Path(result + ".json").read_text()), torch.load(result + ".pt")
-    return {"model": spec, "config": CONFIGS[config][0], "error": err}, None
+    rows = json.loads(Path(result + ".json").read_text()) if Path(result + ".json").exists() else []
+    tokens = torch.load(result + ".pt") if Path(result + ".pt").exists() else {}
+    if err is not None:
+        rows.append({"model": spec, "config": CONFIGS[config][0], "error": err})
+    return rows, tokens
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="smollm2,llama3-8b:8", help="name[:layers],...")
-    ap.add_argument("--configs", default="int2,off,eager,inductor", help=",".join(CONFIGS))
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--models", default="llama3-8b", help="name[:layers],...")
+    ap.add_argument("--configs", default="inductor,int2", help=",".join(CONFIGS))
+    ap.add_argument("--shapes", default="1x32768,32x8192", help="batch x prompt, ...")
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (transformers' prefill_chunk_size)")
     ap.add_argument("--mode", default="reduce-overhead", help="compile mode of the oscar configurations")
-    ap.add_argument("--config-timeout", type=int, default=150)
+    ap.add_argument("--config-timeout", type=int, default=300)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "e2e_h200.json"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--config", default=None, help=argparse.SUPPRESS)
@@ -151,19 +194,25 @@ def main():
         for spec in args.models.split(","):
             tokens, spec_rows = {}, {}
             for config in args.configs.split(","):
-                spec_rows[config], tok = run_isolated(spec, config, args, tmp)
-                if tok is not None:
-                    tokens[config] = tok
-                print(json.dumps(spec_rows[config]), flush=True)
-            # greedy tokens against the first BF16 configuration that ran, whatever the order
-            ref = next((k for k in ("eager", "inductor", "inductor-ro") if k in tokens), None)
-            for config, tok in tokens.items():
-                if ref and config != ref:
-                    spec_rows[config]["tokens_equal_to"] = {CONFIGS[ref][0]: float((tok == tokens[ref]).float().mean())}
-            rows += spec_rows.values()
+                spec_rows[config], tokens[config] = run_isolated(spec, config, args, tmp)
+                for row in spec_rows[config]:
+                    print(json.dumps(row), flush=True)
+            # greedy tokens against the first BF16 configuration that ran, per shape
+            ref = next((k for k in ("inductor", "eager", "inductor-ro") if tokens.get(k)), None)
+            for config, per_shape in tokens.items():
+                if ref is None or config == ref:
+                    continue
+                for row in spec_rows[config]:
+                    key = f"{row.get('batch')}x{row.get('prompt')}"
+                    if key in per_shape and key in tokens[ref]:
+                        first = (per_shape[key] == tokens[ref][key]).float()
+                        row["tokens_equal_to"] = {CONFIGS[ref][0]: float(first.mean()),
+                                                  "first_step": float(first[:, 0].mean())}
+            rows += [r for rs in spec_rows.values() for r in rs]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-                                          "transformers": transformers.__version__, "rows": rows}, indent=2))
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                                          "torch": torch.__version__, "transformers": transformers.__version__,
+                                          "rows": rows}, indent=2))
     print(f"wrote {args.out}")
 
 

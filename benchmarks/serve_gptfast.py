@@ -53,19 +53,21 @@ class Runner:
         self.a = self.model.a
         self.backend = None
         self.step = self.model
-        if config == "oscar":
+
+    def setup(self, batch: int, max_len: int, stub: bool = False) -> None:
+        """New caches; for oscar also a new backend (the previous shape's graphs and INT2 storage go)."""
+        self.backend = self.step = None
+        torch._dynamo.reset()
+        self.model._forward_pre_hooks.clear()  # the previous backend's eager guard
+        self.model.setup_caches(batch, max_len, stub=stub)
+        torch.cuda.empty_cache() if self.device.type == "cuda" else None
+        self.step = self.model
+        if self.config == "oscar":
             import oscar_compile
 
             self.backend = oscar_compile.oscar_backend(inductor=False, num_sinks=SINKS, window=WINDOW, page_size=PAGE)
             self.backend.attach(self.model)  # frees the dense buffers the rewrite makes dead
             self.step = torch.compile(self.model, backend=self.backend, dynamic=False)
-
-    def setup(self, batch: int, max_len: int, stub: bool = False) -> None:
-        if self.backend is not None:
-            self.backend.reset()
-            torch._dynamo.reset()
-        self.model.setup_caches(batch, max_len, stub=stub)
-        torch.cuda.empty_cache() if self.device.type == "cuda" else None
 
     def fill_random(self) -> None:
         if self.backend is None:
