@@ -437,7 +437,8 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, 
     denom = tl.sum(den2, 1)
     row_t = r // G
     pos = tl.load(pos_ptr + b * sp_b + tl.where(row_ok, row_t, 0), mask=row_ok, other=-1)
-    has = (denom > 0) & (pos >= 0)
+    # zeros for padding and rows that see no key; a NaN row (non-finite keys/values) stays NaN, as in BF16 attention
+    has = ((denom > 0) | (denom != denom)) & (pos >= 0)
     o = o / tl.where(has, denom, 1.0)[:, None]
     # un-rotate: o' @ B_o, blocked over KC input channels (staged through a scratch row of part_o)
     scratch = part_o_ptr + rbase * D  # this row's split-0 slot, already consumed above
