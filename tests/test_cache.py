@@ -82,7 +82,7 @@ def test_store_beyond_allocation_raises_and_writes_nothing():
         cache.store(0, k, v, torch.arange(11))
     assert all((t == 0).all() for t in cache.layers[0].tensors())  # checked before any write
     big = PagedInt2KVCache(1, 2, 16, max_batch_size=1, max_seq_len=10, num_sinks=2, window=4, page_size=4)
-    with pytest.raises(CacheCapacityError, match="beyond the cache capacity of 10 tokens"):
+    with pytest.raises(CacheCapacityError, match="position 10 is past the end of the cache; the cache holds 10 tokens"):
         big.store(0, *_kv(gen, 1, 2, 11, 16), torch.arange(11))
 
 
