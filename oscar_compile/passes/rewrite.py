@@ -11,6 +11,8 @@ For each :class:`~.matcher.AttentionMatch` the pass
    top-left: query ``t`` sees keys ``<= t`` of the view) the query positions are ``arange(T)``;
    masks pass through (they index logical key positions); a sliced key view ``[:n]`` without a
    mask becomes a mask of ``n`` ones;
+   the new keys and values are detached first: no gradient flows through the INT2 cache (a
+   backward pass through ``oscar.attention`` raises :class:`~oscar_compile.ops.InferenceOnlyError`);
 3. erases the original writes and the views that only fed the SDPA. Nothing else is touched: a
    blanket dead-code elimination would delete transformers' ``cumulative_length.add_``.
 
@@ -87,9 +89,12 @@ def rewrite(
             tr = cache.transforms[layer]
             t_nodes = {name: _register(gm, f"{prefix}_{name}", getattr(tr, name)) for name in tr._tensor_names()}
             positions = _positions(graph, m, device)
+            # Detached: the INT2 cache is inference-only, and in grad mode AOTAutograd would otherwise
+            # trace a backward through store (a mutating op, which cannot have an autograd formula).
+            k_new, v_new = (graph.call_method("detach", (w.new,)) for w in (kw, vw))
             store = graph.call_function(
                 torch.ops.oscar.store.default,
-                (kw.new, vw.new, positions, *cache_nodes, t_nodes["key_transform"], t_nodes["key_mean"],
+                (k_new, v_new, positions, *cache_nodes, t_nodes["key_transform"], t_nodes["key_mean"],
                  t_nodes["value_transform"], t_nodes["value_mean"], float(tr.key_clip), float(tr.value_clip)),
             )
             k_chunk = graph.call_function(operator.getitem, (store, 0))
