@@ -149,27 +149,45 @@ class OscarBackend:
         return ("layer", m.index), f"layer {m.index}", m.index
 
     def _storage_for(self, m: AttentionMatch) -> tuple[PagedInt2KVCache, int, str]:
+        """The INT2 storage for ``m``'s slot: the smallest one this backend holds that fits, else a new one.
+
+        Static sizes are taken as they are. A symbolic batch or cache length (Dynamo makes a size symbolic
+        once it changes between calls: a second cache size, a second batch size) is given storage for a
+        bucket: the next power of two, and for lengths at least ``max_seq_len``. A guard ``size <= bucket``
+        joins the graph's guards, so a larger cache compiles once more (``TORCH_LOGS=recompiles`` names
+        that guard) and no call ever outgrows its storage. Storage is never freed while a graph that uses
+        it lives: per slot there is at most one storage per bucket, and graphs reuse any that fits.
+        """
         key, name, layer = self._slot(m)
         meta_val = (m.key_write.node if m.key_write.kind == "cat" else m.key_write.buffer).meta["example_value"]
-        if not isinstance(m.batch, int):
-            raise UnsupportedGraphError(f"oscar: {name}: the batch size is symbolic; compile with a fixed batch size")
-        max_len = m.max_len if m.max_len is not None else self.options.max_seq_len
-        if not isinstance(max_len, int):
-            raise UnsupportedGraphError(f"oscar: {name}: the cache length is symbolic")
         dtype = self.options.cache_dtype or meta_val.dtype
         device = meta_val.device
-        geometry = (m.batch, m.num_kv_heads, max_len, m.head_dim, dtype, str(device))
-        full_key = (key, geometry)
-        if full_key not in self.storage:
+        length = m.max_len if m.max_len is not None else self.options.max_seq_len
+        fits = [(c.max_batch_size * c.max_seq_len, k) for k, c in self.storage.items()
+                if k[:2] == (key, (m.num_kv_heads, m.head_dim, dtype, str(device))) and
+                _fits(m.batch, c.max_batch_size) and _fits(length, c.max_seq_len)]
+        if fits:
+            full_key = min(fits, key=lambda f: f[0])[1]
+        else:
+            rows = _bucket(m.batch, 1)
+            max_len = _bucket(length, self.options.max_seq_len)
+            full_key = (key, (m.num_kv_heads, m.head_dim, dtype, str(device)), rows, max_len)
             o = self.options
             cache = PagedInt2KVCache(
-                1, m.num_kv_heads, m.head_dim, max_batch_size=m.batch, max_seq_len=max_len, page_size=o.page_size,
+                1, m.num_kv_heads, m.head_dim, max_batch_size=rows, max_seq_len=max_len, page_size=o.page_size,
                 num_sinks=o.num_sinks, window=o.window, group_size=o.group_size, identity_block_table=True,
                 quantize=o.quantize, dtype=dtype, meta_dtype=o.meta_dtype, device=device,
             )
             cache.set_transforms(0, self._transforms(layer, m.num_kv_heads, m.head_dim))
             self.storage[full_key] = cache
-        return self.storage[full_key], 0, name
+            log.info("oscar: %s: new INT2 storage for %d row(s) x %d tokens (batch %s, cache length %s), %.2f MiB; "
+                     "this backend holds %d storages, %.2f MiB", name, rows, max_len, m.batch, length,
+                     cache.nbytes / 2**20, len(self.storage), self.kv_bytes / 2**20)
+        cache = self.storage[full_key]
+        for size, have in ((m.batch, cache.max_batch_size), (length, cache.max_seq_len)):
+            if not isinstance(size, int) and not size <= have:  # installs the guard (the hint fits by construction)
+                raise UnsupportedGraphError(f"oscar: {name}: size {size} does not fit its storage of {have}")
+        return cache, 0, name
 
     def _check_artifact_layers(self, analysis: GraphAnalysis) -> None:
         """Before compiling: every matched layer must exist in the artifact with the same shapes."""
@@ -196,7 +214,8 @@ class OscarBackend:
         return sum(c.nbytes for c in self.storage.values())
 
     def reset(self) -> None:
-        """Drop the INT2 storage (graphs compiled before keep theirs alive until recompiled)."""
+        """Drop the INT2 storage. Graphs compiled before keep theirs alive: to free the memory, also
+        ``torch._dynamo.reset()`` (or recompile the model)."""
         self.storage.clear()
 
     def _log(self, rec: CompiledGraph) -> None:
@@ -208,6 +227,25 @@ class OscarBackend:
             from .explainer import graph_diff
 
             graph_log.debug("oscar graph %d before/after:\n%s", rec.index, graph_diff(rec.before, rec.after))
+
+
+def _hint(size) -> int:
+    """The value a symbolic size had in the example inputs."""
+    hint = size.node.hint
+    if hint is None:
+        raise UnsupportedGraphError(f"oscar: size {size} has no example value (data-dependent); cannot size storage")
+    return int(hint)
+
+
+def _fits(size, capacity: int) -> bool:
+    return (size if isinstance(size, int) else _hint(size)) <= capacity
+
+
+def _bucket(size, floor: int) -> int:
+    """Storage for ``size``: itself when static; when symbolic, its example rounded up to a power of two >= floor."""
+    if isinstance(size, int):
+        return size
+    return max(floor, 1 << (_hint(size) - 1).bit_length())
 
 
 def _validate(gm: fx.GraphModule, example_inputs) -> None:
