@@ -22,6 +22,7 @@ import torch
 from torch import fx
 
 from .cache import LayerTransforms, PagedInt2KVCache
+from .passes.capacity import guard_writes, plan_checks
 from .passes.matcher import AttentionMatch, GraphAnalysis, analyze
 from .passes.rewrite import Rewritten, rewrite
 
@@ -100,14 +101,20 @@ class OscarBackend:
         config_patches = dict(kwargs.pop("options", None) or {})
         kwargs.pop("dynamic", None)
         kwargs.pop("fullgraph", None)
-        self.transform(gm, example_inputs)
+        record = self.transform(gm, example_inputs)
+        checks = self._host_checks(gm, record)
         if not self.options.inductor:
-            return gm.forward
+            return guard_writes(gm.forward, checks)
         from torch._inductor.compile_fx import compile_fx
 
         if mode in ("reduce-overhead", "max-autotune") and "triton.cudagraphs" not in config_patches:
             config_patches["triton.cudagraphs"] = True
-        return compile_fx(gm, example_inputs, config_patches=config_patches or None)
+        return guard_writes(compile_fx(gm, example_inputs, config_patches=config_patches or None), checks)
+
+    def _host_checks(self, gm: fx.GraphModule, record: CompiledGraph):
+        """Capacity checks the compiled graph runs behind, on the host (passes/capacity.py): a write past the
+        end of the cache raises before anything runs, eagerly or under CUDA graphs, with no device read."""
+        return plan_checks(gm, record.rewritten, self.options.max_seq_len)
 
     def transform(self, gm: fx.GraphModule, example_inputs=None) -> CompiledGraph:
         """Analyze and rewrite ``gm`` in place; returns the record kept in ``self.graphs``."""
@@ -202,7 +209,7 @@ class OscarBackend:
         return LayerTransforms.hadamard(heads, d)
 
     # ------------------------------------------------------------------ user helpers
-    def new_cache(self, model_or_config, max_cache_len: int, max_batch_size: int = 1, dtype=None, device=None):
+    def new_cache(self, model_or_config, max_cache_len: int, max_batch_size: int | None = None, dtype=None, device=None):
         """An :class:`~oscar_compile.OscarCache` for ``model`` (no BF16 storage; use with this backend)."""
         from .hf import OscarCache
 

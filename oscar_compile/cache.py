@@ -353,6 +353,31 @@ class PagedInt2KVCache:
         """
         return ops.attention(*self.attention_args(layer, q, positions, seq_lens, attn_mask, is_causal, scale, chunk))
 
+    def reorder_rows(self, rows: torch.Tensor) -> None:
+        """Row ``b`` takes what row ``rows[b]`` holds, for ``b < len(rows)`` (beam search), in place.
+
+        Rows may repeat. Sinks, rings, pages and lengths all move; the tensors stay where they are (CUDA
+        graphs keep their addresses). With an identity block table this is device work only (no sync).
+        """
+        n = rows.shape[0]
+        if n > self.max_batch_size:
+            raise IndexError(f"oscar: reorder of {n} rows in a cache of {self.max_batch_size} rows")
+        rows = rows.to(self.device, torch.long)
+        if self.identity_block_table:
+            src, dst = self.block_table[rows].long().flatten(), self.block_table[:n].long().flatten()
+        else:  # pages owned per row on the host: read the order once
+            order = rows.tolist()
+            if any(len(self._row_pages[r]) != len(self._row_pages[b]) for b, r in enumerate(order)):
+                raise CacheCapacityError("oscar: reorder_rows needs rows that own the same number of pages")
+            src = torch.tensor([p for r in order for p in self._row_pages[r]], dtype=torch.long, device=self.device)
+            dst = torch.tensor([p for b in range(n) for p in self._row_pages[b]], dtype=torch.long, device=self.device)
+        for layer in self.layers:
+            for t in (layer.k_sink, layer.v_sink, layer.k_ring, layer.v_ring):
+                t[:n] = t.index_select(0, rows)
+            for t in (layer.k_codes, layer.k_meta, layer.v_codes, layer.v_meta):
+                t[dst] = t.index_select(0, src)
+        self.seq_lens[:n] = self.seq_lens.index_select(0, rows)
+
     def reset(self) -> None:
         """Forget every row (pages return to the pool; buffers are not cleared, they are never read unwritten)."""
         for row in range(self.max_batch_size):

@@ -40,6 +40,7 @@ class Rewritten:
     slot: str  # which INT2 storage it reads and writes (e.g. "layer 3")
     store: fx.Node
     attention: fx.Node
+    storage: PagedInt2KVCache | None = None  # that storage
 
 
 class RewriteError(RuntimeError):
@@ -123,7 +124,7 @@ def rewrite(
             else:
                 w.node.replace_all_uses_with(w.buffer)  # in-place writes return the buffer itself
                 graph.erase_node(w.node)
-        done.append(Rewritten(m, slot, store, attn))
+        done.append(Rewritten(m, slot, store, attn, cache))
     try:
         graph.lint()
     except Exception as e:  # pragma: no cover - a bug in this pass, never a user error
