@@ -43,6 +43,9 @@ def _graph_logger() -> logging.Logger:
 graph_log = _graph_logger()
 
 ROTATIONS = ("hadamard", "identity")
+# Batch buckets: 1 (always static: Dynamo specializes size 1), then powers of two from 4 (a bucket of 2 would
+# pin a symbolic batch, which is always >= 2, to exactly 2: one graph per batch size again).
+MIN_ROWS = 4
 
 
 class UnsupportedGraphError(RuntimeError):
@@ -72,7 +75,7 @@ class BackendOptions:
     group_size: int | None = None
     rotation: str = "hadamard"  # fallback when no artifact is given
     quantize: bool = True  # False: keep every token in the BF16 ring (same code path, no INT2)
-    max_seq_len: int = 4096  # for caches that grow (torch.cat); preallocated caches use their own length
+    max_seq_len: int = 4096  # caches that grow (torch.cat) hold this many; smallest storage for preallocated ones
     cache_dtype: torch.dtype | None = None  # sinks/ring dtype; default: the model's KV dtype
     meta_dtype: torch.dtype = torch.float16
     inductor: bool = True  # False: run the rewritten graph eagerly (fast to compile, for tests)
@@ -156,29 +159,32 @@ class OscarBackend:
         return ("layer", m.index), f"layer {m.index}", m.index
 
     def _storage_for(self, m: AttentionMatch) -> tuple[PagedInt2KVCache, int, str]:
-        """The INT2 storage for ``m``'s slot: the smallest one this backend holds that fits, else a new one.
+        """The INT2 storage of ``m``'s slot for the bucket of its batch and cache length.
 
-        Static sizes are taken as they are. A symbolic batch or cache length (Dynamo makes a size symbolic
-        once it changes between calls: a second cache size, a second batch size) is given storage for a
-        bucket: the next power of two, and for lengths at least ``max_seq_len``. A guard ``size <= bucket``
-        joins the graph's guards, so a larger cache compiles once more (``TORCH_LOGS=recompiles`` names
-        that guard) and no call ever outgrows its storage. Storage is never freed while a graph that uses
-        it lives: per slot there is at most one storage per bucket, and graphs reuse any that fits.
+        A bucket is the next power of two (1 row, else at least 4; at least ``max_seq_len`` tokens), the same
+        for a static size and for a symbolic one (Dynamo makes a size symbolic once it changes between calls:
+        a second cache size, a second batch size). So every graph that can run a given cache (its prefill and
+        its decode graph, static or symbolic, compiled whenever) writes and reads the same storage. A symbolic
+        size also adds the guard ``bucket / 2 < size <= bucket`` (``size <= bucket`` for the smallest bucket) to
+        the graph's guards: a cache of another bucket compiles once more (``TORCH_LOGS=recompiles`` names the
+        guard), and no graph runs a cache with another bucket's storage. Storage stays allocated
+        while a graph that uses it lives: per slot, one storage per bucket used (see :meth:`reset`).
         """
         key, name, layer = self._slot(m)
         meta_val = (m.key_write.node if m.key_write.kind == "cat" else m.key_write.buffer).meta["example_value"]
         dtype = self.options.cache_dtype or meta_val.dtype
         device = meta_val.device
         length = m.max_len if m.max_len is not None else self.options.max_seq_len
-        fits = [(c.max_batch_size * c.max_seq_len, k) for k, c in self.storage.items()
-                if k[:2] == (key, (m.num_kv_heads, m.head_dim, dtype, str(device))) and
-                _fits(m.batch, c.max_batch_size) and _fits(length, c.max_seq_len)]
-        if fits:
-            full_key = min(fits, key=lambda f: f[0])[1]
-        else:
-            rows = _bucket(m.batch, 1)
-            max_len = _bucket(length, self.options.max_seq_len)
-            full_key = (key, (m.num_kv_heads, m.head_dim, dtype, str(device)), rows, max_len)
+        rows = 1 if isinstance(m.batch, int) and m.batch == 1 else _bucket(m.batch, MIN_ROWS)
+        max_len = _bucket(length, self.options.max_seq_len)
+        for size, bucket, floor in ((m.batch, rows, MIN_ROWS), (length, max_len, self.options.max_seq_len)):
+            if not isinstance(size, int):
+                # Guards (they hold for the example): the graph runs sizes of exactly this bucket, so every graph
+                # that can run a given cache - its prefill and its decode graph - uses the same storage.
+                if not (size <= bucket and (bucket <= floor or size > bucket // 2)):
+                    raise UnsupportedGraphError(f"oscar: {name}: size {size} is not in its bucket of {bucket}")
+        full_key = (key, (m.num_kv_heads, m.head_dim, dtype, str(device)), rows, max_len)
+        if full_key not in self.storage:
             o = self.options
             cache = PagedInt2KVCache(
                 1, m.num_kv_heads, m.head_dim, max_batch_size=rows, max_seq_len=max_len, page_size=o.page_size,
@@ -190,11 +196,7 @@ class OscarBackend:
             log.info("oscar: %s: new INT2 storage for %d row(s) x %d tokens (batch %s, cache length %s), %.2f MiB; "
                      "this backend holds %d storages, %.2f MiB", name, rows, max_len, m.batch, length,
                      cache.nbytes / 2**20, len(self.storage), self.kv_bytes / 2**20)
-        cache = self.storage[full_key]
-        for size, have in ((m.batch, cache.max_batch_size), (length, cache.max_seq_len)):
-            if not isinstance(size, int) and not size <= have:  # installs the guard (the hint fits by construction)
-                raise UnsupportedGraphError(f"oscar: {name}: size {size} does not fit its storage of {have}")
-        return cache, 0, name
+        return self.storage[full_key], 0, name
 
     def _check_artifact_layers(self, analysis: GraphAnalysis) -> None:
         """Before compiling: every matched layer must exist in the artifact with the same shapes."""
@@ -244,15 +246,10 @@ def _hint(size) -> int:
     return int(hint)
 
 
-def _fits(size, capacity: int) -> bool:
-    return (size if isinstance(size, int) else _hint(size)) <= capacity
-
-
 def _bucket(size, floor: int) -> int:
-    """Storage for ``size``: itself when static; when symbolic, its example rounded up to a power of two >= floor."""
-    if isinstance(size, int):
-        return size
-    return max(floor, 1 << (_hint(size) - 1).bit_length())
+    """The storage size for ``size`` (an int or a symbolic size): a power of two, at least ``floor``."""
+    n = size if isinstance(size, int) else _hint(size)
+    return max(floor, 1 << (n - 1).bit_length())
 
 
 def _validate(gm: fx.GraphModule, example_inputs) -> None:
@@ -305,6 +302,9 @@ def oscar_entry_point(gm, example_inputs, **kwargs):
     return default_backend()(gm, example_inputs, **kwargs)
 
 
+RECOMPILE_LIMIT = 32  # graphs per compiled function that oscar_compile.compile lets Dynamo keep
+
+
 def compile(model, artifacts=None, *, fullgraph: bool = False, mode: str | None = None, dynamic=None, **options):
     """Compile ``model`` in place with the oscar backend and return it (``model.generate`` then uses it).
 
@@ -312,10 +312,18 @@ def compile(model, artifacts=None, *, fullgraph: bool = False, mode: str | None 
     this uses ``nn.Module.compile`` instead, and tells transformers not to wrap the model in a second
     ``torch.compile`` of its own during ``generate`` (that one would not rewrite attention).
     The backend is available as ``model.oscar_backend``.
+
+    Each cache-size bucket (see :meth:`OscarBackend._storage_for`) compiles a prefill and a decode graph,
+    and Dynamo stops compiling a function after ``torch._dynamo.config.recompile_limit`` graphs (8 by
+    default: four buckets); this raises that process-wide limit to at least :data:`RECOMPILE_LIMIT`.
     """
     if artifacts is not None:
         artifacts.validate(model)
     backend = oscar_backend(artifacts, **options)
+    if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+        log.info("oscar: raising torch._dynamo.config.recompile_limit from %d to %d (a prefill and a decode graph "
+                 "per cache-size bucket)", torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     model.compile(backend=backend, fullgraph=fullgraph, mode=mode, dynamic=dynamic)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.disable_compile = True
