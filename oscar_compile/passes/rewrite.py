@@ -31,7 +31,7 @@ from torch import fx
 from .. import ops  # noqa: F401  (registers torch.ops.oscar)
 from ..cache import PagedInt2KVCache
 from .fx_utils import meta
-from .matcher import AttentionMatch, GraphAnalysis
+from .matcher import _METADATA_READS, AttentionMatch, GraphAnalysis, _is_read_guard
 
 
 @dataclass
@@ -63,6 +63,12 @@ def _register(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> fx.Node:
 def _erase_if_dead(graph: fx.Graph, nodes) -> None:
     for n in nodes:
         if n.graph is graph and not n.users:
+            graph.erase_node(n)
+        elif n.graph is graph and _is_read_guard(n) and all(
+                u.op == "call_method" and u.target in _METADATA_READS for u in n.users):
+            # An OscarCache read whose result is only measured (``keys.size()`` in a symbolic-length graph):
+            # the stub has the same shape, and the guard would raise if it stayed.
+            n.replace_all_uses_with(n.args[0])
             graph.erase_node(n)
 
 
