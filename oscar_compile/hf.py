@@ -38,6 +38,7 @@ class OscarLayer(StaticLayer):
         torch._dynamo.mark_static_address(self.cumulative_length)
         self._counter = track_counter(self.cumulative_length, 0, owner=self)
         self._storage = None  # the backend's INT2 storage of this layer, set by each compiled call
+        self._rows = None  # rows of the sequences held now
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -69,15 +70,23 @@ class OscarLayer(StaticLayer):
             self._storage.reorder_rows(beam_idx)
 
     # Called by the compiled graph's host checks (passes/capacity.py) before every call.
-    def _oscar_admit(self, batch: int) -> None:
+    def _oscar_admit(self, batch: int, start: int) -> None:
+        """A call writing ``batch`` rows from position ``start``: it must fit the cache's batch, and a call that
+        continues a sequence (``start > 0``) must bring the rows it holds (as a StaticCache's tensors require)."""
         if self.batch_size is None:
             self.batch_size = batch
-        elif batch > self.batch_size:
+        if batch > self.batch_size:
             raise ValueError(
                 f"oscar: this OscarCache holds {self.batch_size} sequence(s) (its max_batch_size, or the batch of its "
                 f"first input) but got a batch of {batch}; use a new OscarCache for this batch, or create it with "
                 f"max_batch_size={batch}"
             )
+        if start > 0 and self._rows is not None and batch != self._rows:
+            raise ValueError(
+                f"oscar: this OscarCache holds {self._rows} sequence(s) of {start} tokens, and a batch of {batch} cannot "
+                "continue them; call cache.reset() to start new sequences"
+            )
+        self._rows = batch
 
     def _oscar_bind(self, storage) -> None:
         self._storage = storage

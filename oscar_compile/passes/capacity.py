@@ -248,7 +248,7 @@ def _check(check: WriteCheck, args) -> tuple[int, HostCounter | None]:
     owner = counter.owner if counter is not None else None
     if owner is not None:
         if check.batch is not None:
-            owner._oscar_admit(check.batch(args))
+            owner._oscar_admit(check.batch(args), start)
         owner._oscar_bind(check.storage)
     elif counter is not None and check.buffer is not None:
         _check_same_buffer(check, counter, args[check.buffer], start)
