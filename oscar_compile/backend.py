@@ -43,9 +43,7 @@ def _graph_logger() -> logging.Logger:
 graph_log = _graph_logger()
 
 ROTATIONS = ("hadamard", "identity")
-# Batch buckets: 1 (always static: Dynamo specializes size 1), then powers of two from 4 (a bucket of 2 would
-# pin a symbolic batch, which is always >= 2, to exactly 2: one graph per batch size again).
-MIN_ROWS = 4
+MIN_ROWS = 4  # smallest storage batch for a symbolic batch size
 
 
 class UnsupportedGraphError(RuntimeError):
@@ -75,7 +73,7 @@ class BackendOptions:
     group_size: int | None = None
     rotation: str = "hadamard"  # fallback when no artifact is given
     quantize: bool = True  # False: keep every token in the BF16 ring (same code path, no INT2)
-    max_seq_len: int = 4096  # caches that grow (torch.cat) hold this many; smallest storage for preallocated ones
+    max_seq_len: int = 4096  # caches that grow (torch.cat) hold this many; smallest storage for symbolic lengths
     cache_dtype: torch.dtype | None = None  # sinks/ring dtype; default: the model's KV dtype
     meta_dtype: torch.dtype = torch.float16
     inductor: bool = True  # False: run the rewritten graph eagerly (fast to compile, for tests)
@@ -159,30 +157,26 @@ class OscarBackend:
         return ("layer", m.index), f"layer {m.index}", m.index
 
     def _storage_for(self, m: AttentionMatch) -> tuple[PagedInt2KVCache, int, str]:
-        """The INT2 storage of ``m``'s slot for the bucket of its batch and cache length.
+        """The INT2 storage of ``m``'s slot for its batch and cache length.
 
-        A bucket is the next power of two (1 row, else at least 4; at least ``max_seq_len`` tokens), the same
-        for a static size and for a symbolic one (Dynamo makes a size symbolic once it changes between calls:
-        a second cache size, a second batch size). So every graph that can run a given cache (its prefill and
-        its decode graph, static or symbolic, compiled whenever) writes and reads the same storage. A symbolic
-        size also adds the guard ``bucket / 2 < size <= bucket`` (``size <= bucket`` for the smallest bucket) to
-        the graph's guards: a cache of another bucket compiles once more (``TORCH_LOGS=recompiles`` names the
-        guard), and no graph runs a cache with another bucket's storage. Storage stays allocated
-        while a graph that uses it lives: per slot, one storage per bucket used (see :meth:`reset`).
+        A static size gets storage of exactly that size. A symbolic one (Dynamo makes a size symbolic once it
+        changes between calls: a second cache size, a second batch size) gets a bucket, the next power of two
+        (at least 4 rows, at least ``max_seq_len`` tokens), and the guard ``size <= bucket`` joins the graph's
+        guards: a larger cache compiles once more (``TORCH_LOGS=recompiles`` names the guard) and no call
+        outgrows its storage. One storage per slot and size (static) or bucket (symbolic), so their number is
+        bounded by the sizes the model saw; they stay allocated while a graph using them lives (see :meth:`reset`).
+        When Dynamo continues a sequence with a graph of another storage, the host moves its rows first
+        (:mod:`~oscar_compile.passes.capacity`).
         """
         key, name, layer = self._slot(m)
         meta_val = (m.key_write.node if m.key_write.kind == "cat" else m.key_write.buffer).meta["example_value"]
         dtype = self.options.cache_dtype or meta_val.dtype
         device = meta_val.device
         length = m.max_len if m.max_len is not None else self.options.max_seq_len
-        rows = 1 if isinstance(m.batch, int) and m.batch == 1 else _bucket(m.batch, MIN_ROWS)
-        max_len = _bucket(length, self.options.max_seq_len)
-        for size, bucket, floor in ((m.batch, rows, MIN_ROWS), (length, max_len, self.options.max_seq_len)):
-            if not isinstance(size, int):
-                # Guards (they hold for the example): the graph runs sizes of exactly this bucket, so every graph
-                # that can run a given cache - its prefill and its decode graph - uses the same storage.
-                if not (size <= bucket and (bucket <= floor or size > bucket // 2)):
-                    raise UnsupportedGraphError(f"oscar: {name}: size {size} is not in its bucket of {bucket}")
+        rows, max_len = _bucket(m.batch, MIN_ROWS), _bucket(length, self.options.max_seq_len)
+        for size, bucket in ((m.batch, rows), (length, max_len)):
+            if not isinstance(size, int) and not size <= bucket:  # installs the guard; the example fits
+                raise UnsupportedGraphError(f"oscar: {name}: size {size} does not fit its bucket of {bucket}")
         full_key = (key, (m.num_kv_heads, m.head_dim, dtype, str(device)), rows, max_len)
         if full_key not in self.storage:
             o = self.options
@@ -247,9 +241,11 @@ def _hint(size) -> int:
 
 
 def _bucket(size, floor: int) -> int:
-    """The storage size for ``size`` (an int or a symbolic size): a power of two, at least ``floor``."""
-    n = size if isinstance(size, int) else _hint(size)
-    return max(floor, 1 << (n - 1).bit_length())
+    """Storage for ``size``: itself when static; for a symbolic size its example rounded up to a power of two
+    >= ``floor`` (a symbolic size is >= 2, so a bucket of 2 would pin it to exactly 2)."""
+    if isinstance(size, int):
+        return size
+    return max(floor, 1 << (_hint(size) - 1).bit_length())
 
 
 def _validate(gm: fx.GraphModule, example_inputs) -> None:

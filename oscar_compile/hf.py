@@ -37,7 +37,6 @@ class OscarLayer(StaticLayer):
         self.cumulative_length = torch.zeros((), dtype=torch.long, device=device)
         torch._dynamo.mark_static_address(self.cumulative_length)
         self._counter = track_counter(self.cumulative_length, 0, owner=self)
-        self._storage = None  # the backend's INT2 storage of this layer, set by each compiled call
         self._rows = None  # rows of the sequences held now
         self.is_initialized = True
 
@@ -66,8 +65,9 @@ class OscarLayer(StaticLayer):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``b`` continues beam ``beam_idx[b]``; the INT2 rows move (StaticLayer's would
         index the stubs, which hold nothing)."""
-        if self._storage is not None:
-            self._storage.reorder_rows(beam_idx)
+        storage = self._counter.storage  # where the compiled graphs wrote this layer's rows
+        if storage is not None:
+            storage.reorder_rows(beam_idx)
 
     # Called by the compiled graph's host checks (passes/capacity.py) before every call.
     def _oscar_admit(self, batch: int, start: int) -> None:
@@ -87,9 +87,6 @@ class OscarLayer(StaticLayer):
                 "continue them; call cache.reset() to start new sequences"
             )
         self._rows = batch
-
-    def _oscar_bind(self, storage) -> None:
-        self._storage = storage
 
 
 def _model_config(model_or_config):

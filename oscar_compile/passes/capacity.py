@@ -23,6 +23,7 @@ input) and tells each layer which INT2 storage holds its rows (``reorder_cache``
 
 from __future__ import annotations
 
+import logging
 import operator
 import weakref
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..kernels.store import CacheCapacityError
 from .fx_utils import is_call, meta
 
+log = logging.getLogger("oscar_compile.capacity")
+
 # ----------------------------------------------------------------------------- host copies of position counters
 
 
@@ -43,15 +46,18 @@ class HostCounter:
     """The host's copy of a 0-d position counter tensor (transformers' ``cumulative_length``).
 
     ``owner`` (weak) is the cache layer that manages the counter, when it cooperates (``OscarLayer``):
-    it sets :attr:`value` itself on ``reset``, admits batches and learns its storage.
+    it sets :attr:`value` itself on ``reset`` and admits batches. :attr:`storage` is the INT2 storage the
+    sequences at these positions were written to (beam search reorders it; a graph built for another cache
+    size that continues them gets them moved to its own storage).
     """
 
-    __slots__ = ("value", "version", "_owner", "buffer_ptr")
+    __slots__ = ("value", "version", "_owner", "buffer_ptr", "storage")
 
     def __init__(self, value: int, version: int | None, owner=None):
         self.value, self.version = value, version
         self._owner = weakref.ref(owner) if owner is not None else None
         self.buffer_ptr: int | None = None  # the cache tensor written at these positions (foreign caches)
+        self.storage = None
 
     @property
     def owner(self):
@@ -249,7 +255,6 @@ def _check(check: WriteCheck, args) -> tuple[int, HostCounter | None]:
     if owner is not None:
         if check.batch is not None:
             owner._oscar_admit(check.batch(args), start)
-        owner._oscar_bind(check.storage)
     elif counter is not None and check.buffer is not None:
         _check_same_buffer(check, counter, args[check.buffer], start)
     if start + t > capacity:
@@ -259,7 +264,24 @@ def _check(check: WriteCheck, args) -> tuple[int, HostCounter | None]:
             f"oscar: {check.slot}: the KV cache is full - writing {what} needs {start + t} positions, but the cache "
             f"holds {capacity} tokens per sequence (positions 0..{capacity - 1}). Nothing was written; {check.how_to_size}."
         )
+    if counter is not None:
+        _follow_storage(check, counter, args, start)
     return t, counter
+
+
+def _follow_storage(check: WriteCheck, counter: HostCounter, args, start: int) -> None:
+    """The sequences at ``counter``'s positions live in ``counter.storage``; this call writes ``check.storage``.
+
+    They differ when Dynamo runs a continuing call with a graph built for another cache size (the prefill
+    graph of one compile, the decode graph of a later one, each with storage for its own sizes): the rows
+    move over first, on the device. Rare (once per such switch), so exact storage for static sizes stays safe.
+    """
+    if start > 0 and counter.storage is not None and counter.storage is not check.storage:
+        rows = check.batch(args) if check.batch is not None else check.storage.max_batch_size
+        log.info("oscar: %s: sequences continue in another INT2 storage (%s -> %s): moving %d rows of %d tokens",
+                 check.slot, counter.storage.max_seq_len, check.storage.max_seq_len, rows, start)
+        counter.storage.copy_rows_to(check.storage, rows, start)
+    counter.storage = check.storage
 
 
 def _check_same_buffer(check: WriteCheck, counter: HostCounter, buffer: torch.Tensor, start: int) -> None:

@@ -118,9 +118,9 @@ def test_one_compiled_model_serves_caches_of_many_sizes_and_batches(caplog):
     # within a bucket compile nothing (200 x 2 and 72 x 1, then 64 x 2 for twelve steps).
     assert graphs[0] == 2 and graphs[2] == graphs[3] == graphs[4] and graphs[-1] == graphs[-2] <= 8
     assert "new INT2 storage" in caplog.text and "x 4096 tokens" in caplog.text and "x 8192 tokens" in caplog.text
-    # Storage per layer: one per bucket, whichever graph (static or symbolic) needed it: 1 x 4096, 4 x 4096
+    # Storage per layer: exact for the static first graphs (1 x 64), then one per bucket: 1 x 4096, 4 x 4096
     # (batches of 2 to 4) and 1 x 8192.
-    assert len(backend.storage) == 3 * model.config.num_hidden_layers
+    assert len(backend.storage) == 4 * model.config.num_hidden_layers
 
 
 def test_a_forward_in_grad_mode_runs_and_a_backward_says_inference_only():
@@ -161,3 +161,22 @@ def test_full_cache_raises_on_cuda_without_a_sync_per_step(mode):
         model(tok, **{kw: cache}, use_cache=True)  # position 23: the last slot
         with pytest.raises(CacheCapacityError, match="position 24"):
             model(tok, **{kw: cache}, use_cache=True)
+
+
+def test_a_sequence_continued_by_a_graph_for_other_sizes_moves_to_its_storage(caplog):
+    """Prefill and decode of one cache may run graphs compiled at different times, with different storages:
+    here a one-token generate compiles only a symbolic-length prefill, so the next 64-token cache prefills
+    there (4096-token storage) and decodes with the older static graph (64-token storage)."""
+    model = tiny_model("llama")
+    oscar_compile.compile(model, inductor=False, **OPTS)
+    kw = cache_kwarg(model)
+    ids = _ids(1, 9)
+    for length, new in ((64, 3), (96, 1)):
+        model.generate(ids, **{kw: OscarCache(model, max_cache_len=length)}, max_new_tokens=new, do_sample=False)
+    with caplog.at_level(logging.INFO, logger="oscar_compile"):
+        got = model.generate(ids, **{kw: OscarCache(model, max_cache_len=64)}, max_new_tokens=6, do_sample=False)
+    assert "moving 1 rows of 9 tokens" in caplog.text
+    ref_cache = OscarCache(model, max_cache_len=64)  # the same cache size, decoded by one storage only
+    model.oscar_backend.reset()
+    torch._dynamo.reset()
+    assert torch.equal(got, model.generate(ids, **{kw: ref_cache}, max_new_tokens=6, do_sample=False))
