@@ -8,8 +8,10 @@
 The backend owns the INT2 storage. Every matched attention is bound to a *slot* named by its layer:
 the layer number in the cache tensor's source path (``...layers[3].keys`` -> layer 3) or, for a
 cache created inside the graph, the order of the attention call. Graphs compiled for prefill and
-for decode therefore share their slots. One backend serves one sequence batch at a time (sequential
-``generate`` calls are fine; two caches interleaved on one backend would share storage).
+for decode therefore share their slots. One backend serves one sequence batch per cache size at a time
+(sequential ``generate`` calls are fine; a cache continued after another cache of its size wrote the
+storage raises). Sizes, buckets and capacity checks: :meth:`OscarBackend._storage_for`,
+:mod:`oscar_compile.passes.capacity`.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class HostCounter:
     size that continues them gets them moved to its own storage).
     """
 
-    __slots__ = ("value", "version", "_owner", "buffer_ptr", "storage")
+    __slots__ = ("value", "version", "_owner", "buffer_ptr", "storage", "__weakref__")
 
     def __init__(self, value: int, version: int | None, owner=None):
         self.value, self.version = value, version
@@ -276,12 +276,21 @@ def _follow_storage(check: WriteCheck, counter: HostCounter, args, start: int) -
     graph of one compile, the decode graph of a later one, each with storage for its own sizes): the rows
     move over first, on the device. Rare (once per such switch), so exact storage for static sizes stays safe.
     """
-    if start > 0 and counter.storage is not None and counter.storage is not check.storage:
-        rows = check.batch(args) if check.batch is not None else check.storage.max_batch_size
-        log.info("oscar: %s: sequences continue in another INT2 storage (%s -> %s): moving %d rows of %d tokens",
-                 check.slot, counter.storage.max_seq_len, check.storage.max_seq_len, rows, start)
-        counter.storage.copy_rows_to(check.storage, rows, start)
+    if start > 0 and counter.storage is not None:
+        writer = getattr(counter.storage, "_oscar_writer", None)
+        if writer is not None and writer() is not counter:
+            raise RuntimeError(
+                f"oscar: {check.slot}: another cache wrote this cache's INT2 storage since its last call. A backend "
+                "keeps one batch of sequences per cache size: finish one cache's sequences (or reset it) before "
+                "using another cache of the same size, or compile a second model for the second cache."
+            )
+        if counter.storage is not check.storage:
+            rows = check.batch(args) if check.batch is not None else check.storage.max_batch_size
+            log.info("oscar: %s: sequences continue in another INT2 storage (%s -> %s): moving %d rows of %d tokens",
+                     check.slot, counter.storage.max_seq_len, check.storage.max_seq_len, rows, start)
+            counter.storage.copy_rows_to(check.storage, rows, start)
     counter.storage = check.storage
+    check.storage._oscar_writer = weakref.ref(counter)
 
 
 def _check_same_buffer(check: WriteCheck, counter: HostCounter, buffer: torch.Tensor, start: int) -> None:

@@ -180,3 +180,18 @@ def test_a_sequence_continued_by_a_graph_for_other_sizes_moves_to_its_storage(ca
     model.oscar_backend.reset()
     torch._dynamo.reset()
     assert torch.equal(got, model.generate(ids, **{kw: ref_cache}, max_new_tokens=6, do_sample=False))
+
+
+def test_two_caches_interleaved_on_one_backend_are_refused():
+    model = tiny_model("llama")
+    oscar_compile.compile(model, inductor=False, **OPTS)
+    kw = cache_kwarg(model)
+    a, b = OscarCache(model, max_cache_len=32), OscarCache(model, max_cache_len=32)
+    with torch.no_grad():
+        model(_ids(1, 5), **{kw: a}, use_cache=True)
+        model(_ids(1, 5, seed=1), **{kw: b}, use_cache=True)  # the same storage: a's rows are gone
+        with pytest.raises(RuntimeError, match="another cache wrote this cache's INT2 storage"):
+            model(_ids(1, 1), **{kw: a}, use_cache=True)
+        model(_ids(1, 1), **{kw: b}, use_cache=True)  # b continues
+        a.reset()
+        model(_ids(1, 5), **{kw: a}, use_cache=True)  # and a starts again
