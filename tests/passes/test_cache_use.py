@@ -140,27 +140,38 @@ def test_a_forward_in_grad_mode_runs_and_a_backward_says_inference_only():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_full_cache_raises_on_cuda_without_a_sync_per_step(mode):
-    """On CUDA, eager kernels and CUDA graphs alike: the host raises, decode steps never read the device."""
-    model = tiny_model("llama").cuda()  # head_dim 16: the reference ops on CUDA (the capacity check is the same)
+    """On CUDA (Triton kernels: head_dim 64), eagerly and under CUDA graphs: the host raises at the first
+    position past the cache, and no decode step before it synchronizes with the GPU in oscar's code."""
+    import warnings
+
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").cuda().eval()
     oscar_compile.compile(model, mode=mode, **OPTS)
     cache = OscarCache(model, max_cache_len=24)
     kw = cache_kwarg(model)
-    ids = _ids(2, 16).cuda()
     with torch.no_grad():
-        out = model(ids, **{kw: cache}, use_cache=True)
-        tok = out.logits[:, -1:].argmax(-1)
-        for _ in range(3):  # compile and record the decode graph
+        tok = model(_ids(2, 16).cuda(), **{kw: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(3):  # positions 16..18: compile (and record) the decode graph
             tok = model(tok, **{kw: cache}, use_cache=True).logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
+        torch.cuda.set_sync_debug_mode("warn")
         try:
-            for _ in range(4):  # positions 19..22
-                tok = model(tok, **{kw: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(5):  # positions 19..23: the last one fills the cache
+                    tok = model(tok, **{kw: cache}, use_cache=True).logits[:, -1:].argmax(-1)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        model(tok, **{kw: cache}, use_cache=True)  # position 23: the last slot
-        with pytest.raises(CacheCapacityError, match="position 24"):
+        ours = [w for w in caught if "synchroniz" in str(w.message) and "oscar_compile" in (w.filename or "")]
+        assert not ours, [(w.filename, w.lineno) for w in ours]
+        with pytest.raises(CacheCapacityError, match="position 24 needs 25 positions, but the cache holds 24"):
             model(tok, **{kw: cache}, use_cache=True)
+    assert int(cache.layers[0].cumulative_length) == 24
 
 
 def test_a_sequence_continued_by_a_graph_for_other_sizes_moves_to_its_storage(caplog):
