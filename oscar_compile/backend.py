@@ -318,10 +318,12 @@ def compile(model, artifacts=None, *, fullgraph: bool = False, mode: str | None 
     if artifacts is not None:
         artifacts.validate(model)
     backend = oscar_backend(artifacts, **options)
-    if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
-        log.info("oscar: raising torch._dynamo.config.recompile_limit from %d to %d (a prefill and a decode graph "
-                 "per cache-size bucket)", torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older torch
+    if getattr(config, limit) < RECOMPILE_LIMIT:
+        log.info("oscar: raising torch._dynamo.config.%s from %d to %d (a prefill and a decode graph per "
+                 "cache-size bucket)", limit, getattr(config, limit), RECOMPILE_LIMIT)
+        setattr(config, limit, RECOMPILE_LIMIT)
     model.compile(backend=backend, fullgraph=fullgraph, mode=mode, dynamic=dynamic)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.disable_compile = True
