@@ -18,7 +18,9 @@ the caches models actually use the host can follow them without reading the devi
 every rewritten write and raises :class:`~oscar_compile.CacheCapacityError` naming the position, the
 capacity and how to size the cache. Nothing has run then: no row, and no counter, has changed.
 For an :class:`~oscar_compile.OscarCache` it also admits the batch (the cache sizes itself from its first
-input) and tells each layer which INT2 storage holds its rows (``reorder_cache`` for beam search).
+input). Each counter remembers the INT2 storage its sequences were written to: beam search reorders it,
+a continuing call whose graph uses another storage moves the rows there first, and a cache continued
+after another cache wrote that storage is refused.
 """
 
 from __future__ import annotations
@@ -247,7 +249,8 @@ def _root(node: fx.Node) -> fx.Node:
 # ----------------------------------------------------------------------------- the wrapper
 
 
-def _check(check: WriteCheck, args) -> tuple[int, HostCounter | None]:
+def _admit(check: WriteCheck, args) -> tuple[int, HostCounter | None]:
+    """Everything that can refuse the call, before anything changes: (first position, position counter)."""
     start, counter = check.first_position(args)
     t = check.new_tokens(args)
     capacity = check.capacity(args)
@@ -258,15 +261,23 @@ def _check(check: WriteCheck, args) -> tuple[int, HostCounter | None]:
     elif counter is not None and check.buffer is not None:
         _check_same_buffer(check, counter, args[check.buffer], start)
     if start + t > capacity:
-        what = f"{t} new token{'s' if t != 1 else ''} at positions {start}..{start + t - 1}" if t != 1 else \
-            f"a token at position {start}"
+        what = f"{t} new tokens at positions {start}..{start + t - 1}" if t != 1 else f"a token at position {start}"
         raise CacheCapacityError(
             f"oscar: {check.slot}: the KV cache is full - writing {what} needs {start + t} positions, but the cache "
             f"holds {capacity} tokens per sequence (positions 0..{capacity - 1}). Nothing was written; {check.how_to_size}."
         )
-    if counter is not None:
-        _follow_storage(check, counter, args, start)
-    return t, counter
+    if counter is not None and start > 0 and counter.storage is not None:
+        writer = _WRITERS.get(counter.storage)
+        if writer is not None and writer() is not counter:
+            raise RuntimeError(
+                f"oscar: {check.slot}: another cache wrote this cache's INT2 storage since its last call. A backend "
+                "keeps one batch of sequences per cache size: finish one cache's sequences (or reset it) before "
+                "using another cache of the same size, or compile a second model for the second cache."
+            )
+    return start, counter
+
+
+_WRITERS = weakref.WeakKeyDictionary()  # INT2 storage -> (weak) the position counter whose sequences it holds
 
 
 def _follow_storage(check: WriteCheck, counter: HostCounter, args, start: int) -> None:
@@ -276,21 +287,13 @@ def _follow_storage(check: WriteCheck, counter: HostCounter, args, start: int) -
     graph of one compile, the decode graph of a later one, each with storage for its own sizes): the rows
     move over first, on the device. Rare (once per such switch), so exact storage for static sizes stays safe.
     """
-    if start > 0 and counter.storage is not None:
-        writer = getattr(counter.storage, "_oscar_writer", None)
-        if writer is not None and writer() is not counter:
-            raise RuntimeError(
-                f"oscar: {check.slot}: another cache wrote this cache's INT2 storage since its last call. A backend "
-                "keeps one batch of sequences per cache size: finish one cache's sequences (or reset it) before "
-                "using another cache of the same size, or compile a second model for the second cache."
-            )
-        if counter.storage is not check.storage:
-            rows = check.batch(args) if check.batch is not None else check.storage.max_batch_size
-            log.info("oscar: %s: sequences continue in another INT2 storage (%s -> %s): moving %d rows of %d tokens",
-                     check.slot, counter.storage.max_seq_len, check.storage.max_seq_len, rows, start)
-            counter.storage.copy_rows_to(check.storage, rows, start)
+    if start > 0 and counter.storage is not None and counter.storage is not check.storage:
+        rows = check.batch(args) if check.batch is not None else check.storage.max_batch_size
+        log.info("oscar: %s: sequences continue in another INT2 storage (%s -> %s): moving %d rows of %d tokens",
+                 check.slot, counter.storage.max_seq_len, check.storage.max_seq_len, rows, start)
+        counter.storage.copy_rows_to(check.storage, rows, start)
     counter.storage = check.storage
-    check.storage._oscar_writer = weakref.ref(counter)
+    _WRITERS[check.storage] = weakref.ref(counter)
 
 
 def _check_same_buffer(check: WriteCheck, counter: HostCounter, buffer: torch.Tensor, start: int) -> None:
@@ -312,17 +315,14 @@ def guard_writes(fn: Callable, checks: list[WriteCheck]) -> Callable:
         return fn
 
     def run(*args):
-        seen = []
-        for check in checks:
-            t, counter = _check(check, args)
+        admitted = [(check, *_admit(check, args)) for check in checks]  # may raise: nothing has changed yet
+        counted = {}
+        for check, start, counter in admitted:
             if counter is not None:
-                seen.append((check, counter))
+                _follow_storage(check, counter, args, start)
+                counted.setdefault(id(counter), (check, counter))
         out = fn(*args)
-        updated = set()
-        for check, counter in seen:
-            if id(counter) in updated:
-                continue
-            updated.add(id(counter))
+        for check, counter in counted.values():  # one update per counter, however many writes share it
             counter.value += sum(a(args) for a in check.advances)
             counter.version = _version(args[check.counter])
         return out
