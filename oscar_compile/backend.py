@@ -8,8 +8,10 @@
 The backend owns the INT2 storage. Every matched attention is bound to a *slot* named by its layer:
 the layer number in the cache tensor's source path (``...layers[3].keys`` -> layer 3) or, for a
 cache created inside the graph, the order of the attention call. Graphs compiled for prefill and
-for decode therefore share their slots. One backend serves one sequence batch at a time (sequential
-``generate`` calls are fine; two caches interleaved on one backend would share storage).
+for decode therefore share their slots. One backend serves one sequence batch per cache size at a time
+(sequential ``generate`` calls are fine; a cache continued after another cache of its size wrote the
+storage raises). Sizes, buckets and capacity checks: :meth:`OscarBackend._storage_for`,
+:mod:`oscar_compile.passes.capacity`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import fx
 
 from . import ops
 from .cache import LayerTransforms, PagedInt2KVCache
+from .passes.capacity import guard_writes, plan_checks
 from .passes.matcher import AttentionMatch, GraphAnalysis, analyze
 from .passes.release import ReleasedBuffers
 from .passes.rewrite import Rewritten, rewrite
@@ -44,6 +47,7 @@ def _graph_logger() -> logging.Logger:
 graph_log = _graph_logger()
 
 ROTATIONS = ("hadamard", "identity")
+MIN_ROWS = 4  # smallest storage batch for a symbolic batch size
 
 
 class UnsupportedGraphError(RuntimeError):
@@ -73,7 +77,7 @@ class BackendOptions:
     group_size: int | None = None
     rotation: str = "hadamard"  # fallback when no artifact is given
     quantize: bool = True  # False: keep every token in the BF16 ring (same code path, no INT2)
-    max_seq_len: int = 4096  # for caches that grow (torch.cat); preallocated caches use their own length
+    max_seq_len: int = 4096  # caches that grow (torch.cat) hold this many; smallest storage for symbolic lengths
     cache_dtype: torch.dtype | None = None  # sinks/ring dtype; default: the model's KV dtype
     meta_dtype: torch.dtype = torch.float16
     inductor: bool = True  # False: run the rewritten graph eagerly (fast to compile, for tests)
@@ -107,14 +111,20 @@ class OscarBackend:
         config_patches = dict(kwargs.pop("options", None) or {})
         kwargs.pop("dynamic", None)
         kwargs.pop("fullgraph", None)
-        self.transform(gm, example_inputs)
+        record = self.transform(gm, example_inputs)
+        checks = self._host_checks(gm, record)
         if not self.options.inductor:
-            return gm.forward
+            return guard_writes(gm.forward, checks)
         from torch._inductor.compile_fx import compile_fx
 
         if mode in ("reduce-overhead", "max-autotune") and "triton.cudagraphs" not in config_patches:
             config_patches["triton.cudagraphs"] = True
-        return compile_fx(gm, example_inputs, config_patches=config_patches or None)
+        return guard_writes(compile_fx(gm, example_inputs, config_patches=config_patches or None), checks)
+
+    def _host_checks(self, gm: fx.GraphModule, record: CompiledGraph):
+        """Capacity checks the compiled graph runs behind, on the host (passes/capacity.py): a write past the
+        end of the cache raises before anything runs, eagerly or under CUDA graphs, with no device read."""
+        return plan_checks(gm, record.rewritten, self.options.max_seq_len)
 
     def transform(self, gm: fx.GraphModule, example_inputs=None) -> CompiledGraph:
         """Analyze and rewrite ``gm`` in place; returns the record kept in ``self.graphs``."""
@@ -203,26 +213,39 @@ class OscarBackend:
         return ("layer", m.index), f"layer {m.index}", m.index
 
     def _storage_for(self, m: AttentionMatch) -> tuple[PagedInt2KVCache, int, str]:
+        """The INT2 storage of ``m``'s slot for its batch and cache length.
+
+        A static size gets storage of exactly that size. A symbolic one (Dynamo makes a size symbolic once it
+        changes between calls: a second cache size, a second batch size) gets a bucket, the next power of two
+        (at least 4 rows, at least ``max_seq_len`` tokens), and the guard ``size <= bucket`` joins the graph's
+        guards: a larger cache compiles once more (``TORCH_LOGS=recompiles`` names the guard) and no call
+        outgrows its storage. One storage per slot and size (static) or bucket (symbolic), so their number is
+        bounded by the sizes the model saw; they stay allocated while a graph using them lives (see :meth:`reset`).
+        When Dynamo continues a sequence with a graph of another storage, the host moves its rows first
+        (:mod:`~oscar_compile.passes.capacity`).
+        """
         key, name, layer = self._slot(m)
         meta_val = (m.key_write.node if m.key_write.kind == "cat" else m.key_write.buffer).meta["example_value"]
-        if not isinstance(m.batch, int):
-            raise UnsupportedGraphError(f"oscar: {name}: the batch size is symbolic; compile with a fixed batch size")
-        max_len = m.max_len if m.max_len is not None else self.options.max_seq_len
-        if not isinstance(max_len, int):
-            raise UnsupportedGraphError(f"oscar: {name}: the cache length is symbolic")
         dtype = self.options.cache_dtype or meta_val.dtype
         device = meta_val.device
-        geometry = (m.batch, m.num_kv_heads, max_len, m.head_dim, dtype, str(device))
-        full_key = (key, geometry)
+        length = m.max_len if m.max_len is not None else self.options.max_seq_len
+        rows, max_len = _bucket(m.batch, MIN_ROWS), _bucket(length, self.options.max_seq_len)
+        for size, bucket in ((m.batch, rows), (length, max_len)):
+            if not isinstance(size, int) and not size <= bucket:  # installs the guard; the example fits
+                raise UnsupportedGraphError(f"oscar: {name}: size {size} does not fit its bucket of {bucket}")
+        full_key = (key, (m.num_kv_heads, m.head_dim, dtype, str(device)), rows, max_len)
         if full_key not in self.storage:
             o = self.options
             cache = PagedInt2KVCache(
-                1, m.num_kv_heads, m.head_dim, max_batch_size=m.batch, max_seq_len=max_len, page_size=o.page_size,
+                1, m.num_kv_heads, m.head_dim, max_batch_size=rows, max_seq_len=max_len, page_size=o.page_size,
                 num_sinks=o.num_sinks, window=o.window, group_size=o.group_size, identity_block_table=True,
                 quantize=o.quantize, dtype=dtype, meta_dtype=o.meta_dtype, device=device,
             )
             cache.set_transforms(0, self._transforms(layer, m.num_kv_heads, m.head_dim))
             self.storage[full_key] = cache
+            log.info("oscar: %s: new INT2 storage for %d row(s) x %d tokens (batch %s, cache length %s), %.2f MiB; "
+                     "this backend holds %d storages, %.2f MiB", name, rows, max_len, m.batch, length,
+                     cache.nbytes / 2**20, len(self.storage), self.kv_bytes / 2**20)
         return self.storage[full_key], 0, name
 
     def _check_artifact_layers(self, analysis: GraphAnalysis) -> None:
@@ -238,7 +261,7 @@ class OscarBackend:
         return LayerTransforms.hadamard(heads, d)
 
     # ------------------------------------------------------------------ user helpers
-    def new_cache(self, model_or_config, max_cache_len: int, max_batch_size: int = 1, dtype=None, device=None):
+    def new_cache(self, model_or_config, max_cache_len: int, max_batch_size: int | None = None, dtype=None, device=None):
         """An :class:`~oscar_compile.OscarCache` for ``model`` (no BF16 storage; use with this backend)."""
         from .hf import OscarCache
 
@@ -250,7 +273,8 @@ class OscarBackend:
         return sum(c.nbytes for c in self.storage.values())
 
     def reset(self) -> None:
-        """Drop the INT2 storage (graphs compiled before keep theirs alive until recompiled)."""
+        """Drop the INT2 storage. Graphs compiled before keep theirs alive: to free the memory, also
+        ``torch._dynamo.reset()`` (or recompile the model)."""
         self.storage.clear()
 
     def _log(self, rec: CompiledGraph) -> None:
@@ -262,6 +286,22 @@ class OscarBackend:
             from .explainer import graph_diff
 
             graph_log.debug("oscar graph %d before/after:\n%s", rec.index, graph_diff(rec.before, rec.after))
+
+
+def _hint(size) -> int:
+    """The value a symbolic size had in the example inputs."""
+    hint = size.node.hint
+    if hint is None:
+        raise UnsupportedGraphError(f"oscar: size {size} has no example value (data-dependent); cannot size storage")
+    return int(hint)
+
+
+def _bucket(size, floor: int) -> int:
+    """Storage for ``size``: itself when static; for a symbolic size its example rounded up to a power of two
+    >= ``floor`` (a symbolic size is >= 2, so a bucket of 2 would pin it to exactly 2)."""
+    if isinstance(size, int):
+        return size
+    return max(floor, 1 << (_hint(size) - 1).bit_length())
 
 
 def _validate(gm: fx.GraphModule, example_inputs) -> None:
@@ -314,6 +354,9 @@ def oscar_entry_point(gm, example_inputs, **kwargs):
     return default_backend()(gm, example_inputs, **kwargs)
 
 
+RECOMPILE_LIMIT = 32  # graphs per compiled function that oscar_compile.compile lets Dynamo keep
+
+
 def compile(model, artifacts=None, *, fullgraph: bool = False, mode: str | None = None, dynamic=None,
             prefill_chunk_size: int | None = None, **options):
     """Compile ``model`` in place with the oscar backend and return it (``model.generate`` then uses it).
@@ -328,11 +371,21 @@ def compile(model, artifacts=None, *, fullgraph: bool = False, mode: str | None 
     this uses ``nn.Module.compile`` instead, and tells transformers not to wrap the model in a second
     ``torch.compile`` of its own during ``generate`` (that one would not rewrite attention).
     The backend is available as ``model.oscar_backend``.
+
+    Each cache-size bucket (see :meth:`OscarBackend._storage_for`) compiles a prefill and a decode graph,
+    and Dynamo stops compiling a function after ``torch._dynamo.config.recompile_limit`` graphs (8 by
+    default: four buckets); this raises that process-wide limit to at least :data:`RECOMPILE_LIMIT`.
     """
     if artifacts is not None:
         artifacts.validate(model)
     backend = oscar_backend(artifacts, **options)
     backend.attach(model)
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older torch
+    if getattr(config, limit) < RECOMPILE_LIMIT:
+        log.info("oscar: raising torch._dynamo.config.%s from %d to %d (a prefill and a decode graph per "
+                 "cache-size bucket)", limit, getattr(config, limit), RECOMPILE_LIMIT)
+        setattr(config, limit, RECOMPILE_LIMIT)
     model.compile(backend=backend, fullgraph=fullgraph, mode=mode, dynamic=dynamic)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.disable_compile = True

@@ -353,6 +353,58 @@ class PagedInt2KVCache:
         """
         return ops.attention(*self.attention_args(layer, q, positions, seq_lens, attn_mask, is_causal, scale, chunk))
 
+    def reorder_rows(self, rows: torch.Tensor) -> None:
+        """Row ``b`` takes what row ``rows[b]`` holds, for ``b < len(rows)`` (beam search), in place.
+
+        Rows may repeat. Sinks, rings, pages and lengths all move; the tensors stay where they are (CUDA
+        graphs keep their addresses). With an identity block table this is device work only (no sync).
+        """
+        n = rows.shape[0]
+        if n > self.max_batch_size:
+            raise IndexError(f"oscar: reorder of {n} rows in a cache of {self.max_batch_size} rows")
+        rows = rows.to(self.device, torch.long)
+        if self.identity_block_table:
+            src, dst = self.block_table[rows].long().flatten(), self.block_table[:n].long().flatten()
+        else:  # pages owned per row on the host: read the order once
+            order = rows.tolist()
+            if any(len(self._row_pages[r]) != len(self._row_pages[b]) for b, r in enumerate(order)):
+                raise CacheCapacityError("oscar: reorder_rows needs rows that own the same number of pages")
+            src = torch.tensor([p for r in order for p in self._row_pages[r]], dtype=torch.long, device=self.device)
+            dst = torch.tensor([p for b in range(n) for p in self._row_pages[b]], dtype=torch.long, device=self.device)
+        for layer in self.layers:
+            for t in (layer.k_sink, layer.v_sink, layer.k_ring, layer.v_ring):
+                t[:n] = t.index_select(0, rows)
+            for t in (layer.k_codes, layer.k_meta, layer.v_codes, layer.v_meta):
+                t[dst] = t.index_select(0, src)
+        self.seq_lens[:n] = self.seq_lens.index_select(0, rows)
+
+    def copy_rows_to(self, dst: "PagedInt2KVCache", rows: int, length: int) -> None:
+        """Copy what rows ``[0, rows)`` hold for positions ``[0, length)`` into ``dst`` (same format, other sizes).
+
+        A compiled model whose graphs were built for different cache sizes may write a sequence into one
+        storage and continue it in another (see :mod:`oscar_compile.passes.capacity`); this moves it, on the
+        device. Both caches need identity block tables, the same sinks, page size, heads and dtypes, and
+        either the same window or windows that hold every position (``quantize=False``).
+        """
+        s, ps = self.num_sinks, self.page_size
+        same = (s, ps, self.num_kv_heads, self.head_dim, self.group_size, self.dtype, self.meta_dtype) == (
+            dst.num_sinks, dst.page_size, dst.num_kv_heads, dst.head_dim, dst.group_size, dst.dtype, dst.meta_dtype)
+        windows_ok = self.window == dst.window or min(self.window, dst.window) >= length
+        if not (same and windows_ok and self.identity_block_table and dst.identity_block_table):
+            raise ValueError(f"oscar: cannot move rows from {self!r} to {dst!r}")
+        if rows > min(self.max_batch_size, dst.max_batch_size) or length > min(self.capacity_tokens, dst.capacity_tokens):
+            raise CacheCapacityError(f"oscar: {rows} rows of {length} tokens do not fit both {self!r} and {dst!r}")
+        ring_pos = torch.arange(min(max(s, length - self.window), length), length, device=self.device)
+        pages = self.pages_for(length)
+        src_pages, dst_pages = self.block_table[:rows, :pages].long(), dst.block_table[:rows, :pages].long()
+        for a, b in zip(self.layers, dst.layers):
+            b.k_sink[:rows], b.v_sink[:rows] = a.k_sink[:rows], a.v_sink[:rows]
+            if self.window:
+                b.k_ring[:rows, ring_pos % dst.window] = a.k_ring[:rows, ring_pos % self.window]
+                b.v_ring[:rows, ring_pos % dst.window] = a.v_ring[:rows, ring_pos % self.window]
+            for name in ("k_codes", "k_meta", "v_codes", "v_meta"):
+                getattr(b, name)[dst_pages] = getattr(a, name)[src_pages]
+
     def reset(self) -> None:
         """Forget every row (pages return to the pool; buffers are not cleared, they are never read unwritten)."""
         for row in range(self.max_batch_size):

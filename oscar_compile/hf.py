@@ -1,10 +1,17 @@
 """transformers integration: :class:`OscarCache`, a ``StaticCache`` with no BF16 storage.
 
-Each layer's ``keys``/``values`` is a zero-stride stub of the full static shape: Dynamo traces the
-usual ``StaticCache`` graph (``index_copy_`` at the cache positions, ``repeat_kv``, a boolean mask),
-the oscar backend rewrites every write and read to its INT2 pages, and the stub itself (one element
-of memory) is never touched. Reading it any other way fails loudly: eagerly, ``update`` raises; in a
-graph that oscar did not rewrite, the ``oscar::cache_read_guard`` op raises.
+Each layer's ``keys``/``values`` is a zero-stride stub ``[1, heads, max_cache_len, head_dim]``, expanded
+to the batch of each input: Dynamo traces the usual ``StaticCache`` graph (``index_copy_`` at
+``arange(T) + cumulative_length``, ``repeat_kv``, a boolean mask), the oscar backend rewrites every write
+and read to its INT2 pages, and the stub itself (one element of memory) is never touched. Reading it any
+other way fails loudly: eagerly, ``update`` raises; in a graph that oscar did not rewrite, the
+``oscar::cache_read_guard`` op raises.
+
+Sizes. ``max_cache_len`` is the most tokens a sequence holds (prompt plus every generated token); a
+write past it raises :class:`~oscar_compile.CacheCapacityError` before anything runs (the host follows
+each layer's ``cumulative_length``, see :mod:`oscar_compile.passes.capacity`). The batch size is
+``max_batch_size`` when given, else that of the first input, as ``StaticCache`` does; a larger batch
+later raises. The INT2 storage itself belongs to the backend (one per layer, reused across caches).
 """
 
 from __future__ import annotations
@@ -14,22 +21,72 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from . import ops
+from .passes.capacity import track_counter
 
 
 class OscarLayer(StaticLayer):
+    """One layer of an :class:`OscarCache`: a stub, a position counter and the host's copy of it."""
+
+    def __init__(self, max_cache_len: int, num_heads: int, head_dim: int, dtype, device, batch_size: int | None):
+        super().__init__(max_cache_len=max_cache_len)
+        self.device, self.num_heads, self.batch_size = device, num_heads, batch_size
+        self.k_head_dim = self.v_head_dim = head_dim
+        # One element of memory, seen as [1, heads, max_cache_len, head_dim] and expanded to each input's batch.
+        self.keys = torch.empty(1, dtype=dtype, device=device).expand(1, num_heads, max_cache_len, head_dim)
+        self.values = torch.empty(1, dtype=dtype, device=device).expand(1, num_heads, max_cache_len, head_dim)
+        self.cumulative_length = torch.zeros((), dtype=torch.long, device=device)
+        torch._dynamo.mark_static_address(self.cumulative_length)
+        self._counter = track_counter(self.cumulative_length, 0, owner=self)
+        self._rows = None  # rows of the sequences held now
+        self.is_initialized = True
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not torch.compiler.is_compiling():
             raise ops.UnrewrittenCacheError(
                 "oscar: OscarCache holds no BF16 tokens and only works inside a model compiled with oscar_backend "
                 "(model.compile(backend=oscar_backend(...)) or oscar_compile.compile(model)); use a transformers "
-                "StaticCache/DynamicCache to run the model eagerly."
+                "StaticCache/DynamicCache to run the model eagerly. If the model is compiled, Dynamo fell back to "
+                "eager: TORCH_LOGS=recompiles says why (e.g. torch._dynamo.config.recompile_limit reached)."
             )
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        batch, t = key_states.shape[0], key_states.shape[-2]
+        keys = self.keys.expand(batch, -1, -1, -1)
+        values = self.values.expand(batch, -1, -1, -1)
+        positions = torch.arange(t, device=self.device) + self.cumulative_length
+        self.cumulative_length.add_(t)
+        keys.index_copy_(2, positions, key_states)  # never runs: oscar rewrites it to oscar::store
+        values.index_copy_(2, positions, value_states)
         return torch.ops.oscar.cache_read_guard(keys), torch.ops.oscar.cache_read_guard(values)
 
     def reset(self) -> None:
         # Stubs hold nothing to clear; positions restart at 0 and overwrite the INT2 pages.
         self.cumulative_length.zero_()
+        track_counter(self.cumulative_length, 0, owner=self)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``b`` continues beam ``beam_idx[b]``; the INT2 rows move (StaticLayer's would
+        index the stubs, which hold nothing)."""
+        storage = self._counter.storage  # where the compiled graphs wrote this layer's rows
+        if storage is not None:
+            storage.reorder_rows(beam_idx)
+
+    # Called by the compiled graph's host checks (passes/capacity.py) before every call.
+    def _oscar_admit(self, batch: int, start: int) -> None:
+        """A call writing ``batch`` rows from position ``start``: it must fit the cache's batch, and a call that
+        continues a sequence (``start > 0``) must bring the rows it holds (as a StaticCache's tensors require)."""
+        if self.batch_size is None:
+            self.batch_size = batch
+        if batch > self.batch_size:
+            raise ValueError(
+                f"oscar: this OscarCache holds {self.batch_size} sequence(s) (its max_batch_size, or the batch of its "
+                f"first input) but got a batch of {batch}; use a new OscarCache for this batch, or create it with "
+                f"max_batch_size={batch}"
+            )
+        if start > 0 and self._rows is not None and batch != self._rows:
+            raise ValueError(
+                f"oscar: this OscarCache holds {self._rows} sequence(s) of {start} tokens, and a batch of {batch} cannot "
+                "continue them; call cache.reset() to start new sequences"
+            )
+        self._rows = batch
 
 
 def _model_config(model_or_config):
@@ -49,44 +106,36 @@ class OscarCache(StaticCache):
 
     Args:
         model_or_config: the model (its dtype and device are used) or its config.
-        max_cache_len: longest sequence (prompt + generated tokens).
-        max_batch_size: batch size it will be used with.
+        max_cache_len: most tokens per sequence: prompt plus every generated token. Writing past it
+            raises :class:`~oscar_compile.CacheCapacityError` (nothing is written, nothing is evicted).
+        max_batch_size: most sequences at once; ``None`` takes the batch of the first input (as
+            ``StaticCache`` does). A larger batch later raises ``ValueError``.
     """
 
-    def __init__(self, model_or_config, max_cache_len: int, max_batch_size: int = 1, dtype=None, device=None):
+    def __init__(self, model_or_config, max_cache_len: int, max_batch_size: int | None = None, dtype=None, device=None):
         config = _model_config(model_or_config)
         if getattr(config, "sliding_window", None) and any(
                 t == "sliding_attention" for t in (getattr(config, "layer_types", None) or [])):
             raise ValueError("oscar: OscarCache does not support sliding-window attention layers yet")
+        if int(max_cache_len) < 1 or (max_batch_size is not None and int(max_batch_size) < 1):
+            raise ValueError(f"oscar: max_cache_len and max_batch_size must be >= 1, got {max_cache_len} and {max_batch_size}")
         super().__init__(config=config, max_cache_len=max_cache_len)
         model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
         dtype = dtype or (model.dtype if model is not None else torch.get_default_dtype())
         device = torch.device(device or (model.device if model is not None else "cpu"))
         heads, head_dim = kv_geometry(config)
-        self.max_batch_size = max_batch_size
-        layers = []
-        for _ in self.layers:
-            layer = OscarLayer(max_cache_len=max_cache_len)
-            layer.device, layer.batch_size, layer.num_heads = device, max_batch_size, heads
-            layer.k_head_dim = layer.v_head_dim = head_dim
-            # One element of memory, seen as the full [batch, heads, max_cache_len, head_dim] cache.
-            layer.keys = torch.empty(1, dtype=dtype, device=device).expand(max_batch_size, heads, max_cache_len, head_dim)
-            layer.values = torch.empty(1, dtype=dtype, device=device).expand(max_batch_size, heads, max_cache_len, head_dim)
-            layer.cumulative_length = torch.zeros((), dtype=torch.long, device=device)
-            torch._dynamo.mark_static_address(layer.cumulative_length)
-            layer.is_initialized = True
-            layers.append(layer)
-        self.layers = layers
+        self.layers = [OscarLayer(max_cache_len, heads, head_dim, dtype, device, max_batch_size) for _ in self.layers]
 
-    # transformers 5.17 derives max_batch_size from the layers (a read-only property); newer releases
-    # store it. Ours is the batch the stubs were made for, in both.
+    # transformers 5.17 derives max_batch_size from the layers (a read-only property, deprecated); newer
+    # releases store it. Ours is the batch the cache holds: given, or taken from the first input.
     @property
     def max_batch_size(self):
-        return getattr(self, "_oscar_max_batch_size", None)
+        return self.layers[0].batch_size if self.layers else None
 
     @max_batch_size.setter
     def max_batch_size(self, value):
-        self._oscar_max_batch_size = value
+        for layer in getattr(self, "layers", ()):
+            layer.batch_size = value
 
     def __repr__(self) -> str:
         l0 = self.layers[0]

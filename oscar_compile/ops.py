@@ -105,6 +105,43 @@ def _attention_fake(
     return q.new_empty(q.shape)  # contiguous, like the real output
 
 
+class InferenceOnlyError(RuntimeError):
+    """A backward pass reached the INT2 KV cache, which has no gradient."""
+
+
+@torch.library.custom_op("oscar::inference_only", mutates_args=())
+def inference_only(grad: Tensor) -> Tensor:
+    """The gradient of ``oscar::attention``: raises when a backward pass actually runs it.
+
+    A forward in grad mode (the default outside ``torch.no_grad()``) must work, so attention has an
+    autograd formula; AOTAutograd traces that formula while compiling such a forward (through the fake
+    below, which returns a placeholder). Only running it means someone asked for a gradient.
+    """
+    raise InferenceOnlyError(
+        "oscar: the INT2 KV cache is inference-only: no gradient flows through oscar::attention or oscar::store "
+        "(quantized, rotated history). Run the model under torch.no_grad() or torch.inference_mode(); to train "
+        "or fine-tune, run it without the oscar backend (a transformers DynamicCache or StaticCache)."
+    )
+
+
+@inference_only.register_fake
+def _inference_only_fake(grad):
+    return grad.new_empty(grad.shape)
+
+
+def _attention_setup_context(ctx, inputs, output) -> None:
+    pass
+
+
+def _attention_backward(ctx, grad):
+    # q is the only input a model's weights reach with a gradient; store's outputs (k_chunk, v_chunk) get
+    # none, so a backward never reaches oscar::store (a mutating op cannot have an autograd formula).
+    return (torch.ops.oscar.inference_only(grad),) + (None,) * 20
+
+
+torch.library.register_autograd("oscar::attention", _attention_backward, setup_context=_attention_setup_context)
+
+
 def triton_supported(head_dim: int, num_groups: int) -> bool:
     """Shapes the Triton kernels take (tl.dot needs d/4 >= 16; tl.arange needs powers of two)."""
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731

@@ -82,7 +82,7 @@ def test_store_beyond_allocation_raises_and_writes_nothing():
         cache.store(0, k, v, torch.arange(11))
     assert all((t == 0).all() for t in cache.layers[0].tensors())  # checked before any write
     big = PagedInt2KVCache(1, 2, 16, max_batch_size=1, max_seq_len=10, num_sinks=2, window=4, page_size=4)
-    with pytest.raises(CacheCapacityError, match="beyond the cache capacity of 10 tokens"):
+    with pytest.raises(CacheCapacityError, match="position 10 is past the end of the cache; the cache holds 10 tokens"):
         big.store(0, *_kv(gen, 1, 2, 11, 16), torch.arange(11))
 
 
@@ -144,3 +144,42 @@ def test_bad_cache_construction():
         PagedInt2KVCache(1, 1, 64, group_size=48)
     with pytest.raises(ValueError, match="num_sinks and window"):
         PagedInt2KVCache(1, 1, 64, window=-1)
+
+
+def _filled(batch, max_len, length, identity=True, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    cache = PagedInt2KVCache(1, 2, 16, max_batch_size=batch, max_seq_len=max_len, num_sinks=2, window=3, page_size=4,
+                             identity_block_table=identity, dtype=torch.float32)
+    cache.set_transforms(0, LayerTransforms.hadamard(2, 16))
+    if not identity:
+        for row in range(batch):
+            cache.allocate(row, max_len)
+    cache.store(0, *_kv(gen, batch, 2, length, 16, torch.float32), torch.arange(length))
+    return cache
+
+
+def _read(cache, rows, length):
+    """Attention of fixed queries over the first ``rows`` rows: what a row holds, as attention sees it."""
+    q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(9)).expand(rows, -1, -1, -1)  # one query
+    pos = torch.full((rows, 1), length - 1)
+    return cache.attention(0, q, pos, seq_lens=torch.full((rows,), length))
+
+
+@pytest.mark.parametrize("identity", [True, False])
+def test_reorder_rows_moves_every_region(identity):
+    cache, length = _filled(3, 32, 20, identity), 20  # sinks, ring and pages all in use
+    before = _read(cache, 3, length)
+    cache.reorder_rows(torch.tensor([2, 0, 0]))  # beam search: rows may repeat
+    after = _read(cache, 3, length)
+    torch.testing.assert_close(after, before[[2, 0, 0]], rtol=0, atol=0)
+
+
+def test_copy_rows_to_a_storage_of_another_size():
+    src, length = _filled(4, 64, 20), 20
+    dst = PagedInt2KVCache(1, 2, 16, max_batch_size=2, max_seq_len=24, num_sinks=2, window=3, page_size=4,
+                           identity_block_table=True, dtype=torch.float32)
+    dst.set_transforms(0, src.transforms[0])
+    src.copy_rows_to(dst, 2, length)
+    torch.testing.assert_close(_read(dst, 2, length), _read(src, 2, length), rtol=0, atol=0)
+    with pytest.raises(CacheCapacityError):
+        src.copy_rows_to(dst, 2, 30)  # dst holds 2 + 3 + 5 x 4 = 25 tokens a row

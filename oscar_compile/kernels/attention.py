@@ -59,7 +59,9 @@ def gather_history(
             hist = torch.where(in_page[..., None, None], deq, ring_rows)
         out[:, s:] = hist
     valid = j[None, :] < lengths[:, None]
-    return out * valid[..., None, None]
+    # where, not a product: a NaN in a slot the row does not own (another row's page, a stale token)
+    # must not reach this row (NaN * 0 is NaN, and a masked NaN key still poisons its softmax row).
+    return torch.where(valid[..., None, None], out, 0.0)
 
 
 def attention_reference(

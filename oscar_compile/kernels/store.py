@@ -13,6 +13,14 @@ Semantics (DESIGN.md section 3), per sequence row ``b``; ``S`` sinks, ``W`` wind
   cache-dtype rounded value the ring would have held, so chunking never changes the result).
 * Negative positions are padding and are skipped. The valid positions of a row must be
   consecutive and continue that row's history (as every KV cache writes them).
+* Capacity: a position past what the row can hold (``num_sinks + window + max_pages * page_size``),
+  or one whose page the row does not own, raises :class:`CacheCapacityError` before any row of the
+  batch is written. (Compiled models check on the host before the graph runs, see
+  :mod:`oscar_compile.passes.capacity`; the Triton kernel cannot raise and drops such writes.)
+* Non-finite keys or values are stored as they are, in their own row only: a sink or ring token
+  keeps its NaN/inf, and a quantized token whose row (one KV head) holds any non-finite value gets
+  NaN scale and minimum, so it dequantizes to NaN. Attention over that row then returns NaN, as
+  BF16 attention would; other rows are never affected. Nothing is checked on the host (no sync).
 * Returns the transformed chunk ``(k', v')`` as ``[B, T, H, d]`` in the cache dtype: attention over
   the same tokens uses it for the chunk's own keys (the new chunk attends to itself exactly, as in
   serving systems; only history is read through the quantized cache). It is also the data
@@ -28,7 +36,7 @@ from .checks import CacheGeometry, check_store
 
 
 class CacheCapacityError(RuntimeError):
-    """A write needs a page that the row does not own (pool exhausted or row too long)."""
+    """A write past what the cache can hold: a position beyond its length, or a page the row does not own."""
 
 
 def transform_rows(x: torch.Tensor, matrix: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
@@ -40,12 +48,11 @@ def transform_rows(x: torch.Tensor, matrix: torch.Tensor, mean: torch.Tensor) ->
 def _page_slots(geo: CacheGeometry, block_table: torch.Tensor, row: int, quant_index: torch.Tensor):
     """Map quantized indices ``j = p - S`` of one row to (page, slot), checking ownership."""
     logical = torch.div(quant_index, geo.page_size, rounding_mode="floor")
-    capacity = geo.num_sinks + geo.window + geo.max_pages * geo.page_size
     if logical.numel() and int(logical.max()) >= geo.max_pages:
         p = int(quant_index.max()) + geo.num_sinks
         raise CacheCapacityError(
-            f"oscar: position {p} of row {row} is beyond the cache capacity of {capacity} tokens per row "
-            f"({geo.num_sinks} sinks + {geo.window} window + {geo.max_pages} pages x {geo.page_size})"
+            f"oscar: row {row}: quantizing position {p} needs page {int(logical.max())} but the block table holds "
+            f"{geo.max_pages}; {_capacity_text(geo)}"
         )
     pages = block_table[row].long()[logical]
     if pages.numel() and bool((pages < 0).any()):
@@ -59,11 +66,21 @@ def _page_slots(geo: CacheGeometry, block_table: torch.Tensor, row: int, quant_i
     return pages, quant_index % geo.page_size
 
 
+def _capacity_text(geo: CacheGeometry) -> str:
+    cap = geo.num_sinks + geo.window + geo.max_pages * geo.page_size
+    return (f"the cache holds {cap} tokens per row ({geo.num_sinks} sinks + {geo.window} window + {geo.max_pages} pages "
+            f"x {geo.page_size}); size it for the prompt plus every new token (max_seq_len / max_cache_len)")
+
+
 def _write_pages(geo, codes, meta, block_table, row, quant_index, rows_fp, clip):
     if quant_index.numel() == 0:
         return
     pages, slots = _page_slots(geo, block_table, row, quant_index)
     packed, scale, minimum = quantize_int2(rows_fp, geo.group_size, clip, meta_dtype=meta.dtype)
+    # A row with a NaN/inf must dequantize to NaN, not to finite values from whatever the codes became.
+    bad = ~torch.isfinite(rows_fp).all(dim=-1, keepdim=True)
+    nan = torch.tensor(float("nan"), dtype=meta.dtype, device=meta.device)
+    scale, minimum = torch.where(bad, nan, scale), torch.where(bad, nan, minimum)
     codes[pages, slots] = packed
     meta[pages, slots] = torch.cat([scale, minimum], dim=-1)
 
@@ -77,6 +94,9 @@ def _row_spans(geo: CacheGeometry, pos: torch.Tensor, block_table: torch.Tensor)
         if p.numel() == 0:
             continue
         first, last = int(p[0]), int(p[-1])
+        capacity = geo.num_sinks + geo.window + geo.max_pages * geo.page_size
+        if last >= capacity:
+            raise CacheCapacityError(f"oscar: row {b}: position {last} is past the end of the cache; {_capacity_text(geo)}")
         if not torch.equal(p, torch.arange(first, last + 1, dtype=p.dtype, device=p.device)):
             raise ValueError(f"oscar: positions of row {b} must be consecutive, got {p.tolist()[:16]}")
         newest_quantized = last - geo.window - geo.num_sinks  # quantized index of the last page token
@@ -135,9 +155,6 @@ def store_reference(
     pos = positions.long().expand(b, t) if positions.dim() == 1 else positions.long()
     kt = transform_rows(k, key_transform, key_mean)
     vt = transform_rows(v, value_transform, value_mean)
-    written = pos >= 0
-    if not (torch.isfinite(kt[written]).all() and torch.isfinite(vt[written]).all()):
-        raise ValueError("oscar: non-finite keys or values reached the KV cache (NaN/inf in the model's activations?)")
     spans = _row_spans(geo, pos, block_table)  # validates everything before the first write
     kt, vt = kt.to(k_sink.dtype).contiguous(), vt.to(v_sink.dtype).contiguous()  # fake returns contiguous
     _store_side(geo, kt, spans, k_codes, k_meta, k_sink, k_ring, block_table, key_clip)

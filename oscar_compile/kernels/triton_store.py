@@ -16,7 +16,11 @@ One program handles ``BLOCK_T`` tokens of one sequence row, one KV head and one 
    and ``min`` per group rounded to the metadata dtype, ``code = floor((y - min) / scale + 0.5)``,
    four codes a byte, quartered (``tl.reshape`` to ``[BLOCK_T, 4, d/4]``, shift, sum).
 
-Writes into a page the block table does not own (``-1``) are dropped: allocate rows on the host first.
+Writes into a page the block table does not own (``-1``), past the block table or past the pool are dropped:
+the kernel cannot raise, so it never writes out of bounds, and capacity errors are raised on the host
+(:mod:`oscar_compile.passes.capacity` for compiled models, the reference's checks otherwise).
+A token row holding a NaN or inf is quantized with NaN scale and minimum (it dequantizes to NaN),
+exactly as the reference stores it: the non-finite value stays in its own row.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ LAST_LAUNCH: dict = {}  # the compiled kernel of the latest call (register/spill
 @triton.jit
 def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
                     sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
-                    clip_lo, clip_frac, MAX_PAGES,
+                    clip_lo, clip_frac, MAX_PAGES, NUM_PAGES,
                     PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
                     NG: tl.constexpr, HAS_CLIP: tl.constexpr):
     """Quantize rows ``y [BLOCK_T, D]`` (fp32) where ``keep``; row r goes to quantized index ``qidx[r]``."""
     if tl.sum(keep.to(tl.int32), 0) > 0:  # most decode steps quantize nothing (the token goes to the ring)
+        # Before clipping (the GPU's min/max drop NaN): x - x is 0 only for finite x.
+        finite = tl.min(((y - y) == 0.0).to(tl.int32), axis=1) > 0
         if HAS_CLIP:
             # The clip quantile interpolates between the sorted |y| at clip_lo and clip_lo + 1. Both are
             # among the few largest values, so walk the distinct values from the top instead of sorting:
@@ -79,15 +85,15 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
         logical = qidx // PS
         ok = keep & (qidx >= 0) & (logical < MAX_PAGES)
         page = tl.load(bt_ptr + b * stride_bt_b + tl.where(ok, logical, 0), mask=ok, other=-1)
-        ok = ok & (page >= 0)
+        ok = ok & (page >= 0) & (page < NUM_PAGES)
         page = tl.where(ok, page, 0).to(tl.int64)
         slot = tl.where(ok, qidx % PS, 0).to(tl.int64)
         d4 = tl.arange(0, D // 4)[None, :]
         tl.store(codes_ptr + page[:, None] * sc_p + slot[:, None] * sc_s + h * sc_h + d4, packed, mask=ok[:, None])
         g = tl.arange(0, NG)[None, :]
         mbase = meta_ptr + page[:, None] * sm_p + slot[:, None] * sm_s + h * sm_h
-        tl.store(mbase + g, scale.to(meta_ty), mask=ok[:, None])
-        tl.store(mbase + NG + g, mn.to(meta_ty), mask=ok[:, None])
+        tl.store(mbase + g, tl.where(finite[:, None], scale, float("nan")).to(meta_ty), mask=ok[:, None])
+        tl.store(mbase + NG + g, tl.where(finite[:, None], mn, float("nan")).to(meta_ty), mask=ok[:, None])
 
 
 @triton.jit
@@ -95,7 +101,7 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
                 codes_ptr, meta_ptr, sink_ptr, ring_ptr, bt_ptr,
                 b, h, t, p, inb, valid, first, last, stride_bt_b,
                 sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
-                so_b, so_t, so_h, clip_lo, clip_frac, S, W, MAX_PAGES,
+                so_b, so_t, so_h, clip_lo, clip_frac, S, W, MAX_PAGES, NUM_PAGES,
                 PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, HAS_CLIP: tl.constexpr,
                 HAS_RING: tl.constexpr):
     col = tl.arange(0, D)
@@ -131,7 +137,7 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
         ring_row = ring_ptr + b * sr_b + slot[:, None] * sr_t + h * sr_h + col[None, :]
         old = tl.load(ring_row, mask=evict[:, None], other=0.0).to(tl.float32)
         _quantize_store(old, evict, q - S, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
-                        sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, MAX_PAGES,
+                        sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, MAX_PAGES, NUM_PAGES,
                         PS, BLOCK_T, D, NG, HAS_CLIP)
         tl.debug_barrier()
         tl.store(ring_row, yc, mask=ring_final[:, None])
@@ -139,18 +145,18 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
     else:
         to_page = valid & (p >= S)
     _quantize_store(y, to_page, p - S, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
-                    sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, MAX_PAGES,
+                    sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, MAX_PAGES, NUM_PAGES,
                     PS, BLOCK_T, D, NG, HAS_CLIP)
 
 
 # Per-call sizes and per-layer clip indices are not specialised (no recompiles on new prompt lengths).
-@triton.jit(do_not_specialize=["sp_b", "stride_bt_b", "T", "S", "W", "kclip_lo", "vclip_lo"])
+@triton.jit(do_not_specialize=["sp_b", "stride_bt_b", "T", "S", "W", "kclip_lo", "vclip_lo", "NUM_PAGES"])
 def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                   pos_ptr, sp_b, first_ptr, last_ptr, T,
                   ak_ptr, muk_ptr, av_ptr, muv_ptr, kout_ptr, vout_ptr,
                   kc_ptr, km_ptr, vc_ptr, vm_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, bt_ptr, stride_bt_b,
                   sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h,
-                  kclip_lo, kclip_frac, vclip_lo, vclip_frac, S, W, MAX_PAGES, NH,
+                  kclip_lo, kclip_frac, vclip_lo, vclip_frac, S, W, MAX_PAGES, NUM_PAGES, NH,
                   PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
                   K_CLIP: tl.constexpr, V_CLIP: tl.constexpr, HAS_RING: tl.constexpr):
     # Keys and values in separate programs (grid axis 2 = side * NH + head): a decode step has one
@@ -167,12 +173,12 @@ def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
         _store_side(k_ptr, sk_b, sk_h, sk_t, ak_ptr, muk_ptr, kout_ptr, kc_ptr, km_ptr, ks_ptr, kr_ptr, bt_ptr,
                     b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
                     ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, kclip_lo, kclip_frac, S, W, MAX_PAGES,
-                    PS, BLOCK_T, D, NG, K_CLIP, HAS_RING)
+                    NUM_PAGES, PS, BLOCK_T, D, NG, K_CLIP, HAS_RING)
     else:
         _store_side(v_ptr, sv_b, sv_h, sv_t, av_ptr, muv_ptr, vout_ptr, vc_ptr, vm_ptr, vs_ptr, vr_ptr, bt_ptr,
                     b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
                     ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, vclip_lo, vclip_frac, S, W, MAX_PAGES,
-                    PS, BLOCK_T, D, NG, V_CLIP, HAS_RING)
+                    NUM_PAGES, PS, BLOCK_T, D, NG, V_CLIP, HAS_RING)
 
 
 def _clip_args(ratio: float, d: int) -> tuple[int, float, bool]:
@@ -215,7 +221,8 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
         k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, bt, bt.stride(0),
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_meta.stride(0), k_meta.stride(1), k_meta.stride(2),
         k_sink.stride(0), k_sink.stride(1), k_sink.stride(2), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
-        k_out.stride(0), k_out.stride(1), k_out.stride(2), kl, kf, vl, vf, geo.num_sinks, geo.window, geo.max_pages, h,
+        k_out.stride(0), k_out.stride(1), k_out.stride(2), kl, kf, vl, vf, geo.num_sinks, geo.window, geo.max_pages,
+        geo.num_pages, h,
         PS=geo.page_size, BLOCK_T=block_t, D=d, NG=geo.num_groups, K_CLIP=kc, V_CLIP=vc, HAS_RING=geo.window > 0,
         num_warps=warps,
     )

@@ -397,8 +397,15 @@ def _match_one(index: int, sdpa: fx.Node, order: dict) -> AttentionMatch:
         index=index, sdpa=sdpa, query=q, key_write=kw, value_write=vw, key_read=kr, value_read=vr,
         batch=b, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, q_len=t, key_len=key_len, max_len=max_len,
         scale=scale, mask=mask, mask_kind=mask_kind, is_causal=a["is_causal"],
-        source=source_name(kw.buffer), stub=stub,
+        source=source_name(_stub_root(kw.buffer)), stub=stub,
     )
+
+
+def _stub_root(node: fx.Node) -> fx.Node:
+    """An OscarCache stub is written through ``stub.expand(batch, ...)``: its source is the stub's."""
+    while is_call(node, "expand") and isinstance(node.args[0], fx.Node) and _is_stub(node.args[0]):
+        node = node.args[0]
+    return node
 
 
 def _same_len(a, b) -> bool:

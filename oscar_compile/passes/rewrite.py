@@ -11,6 +11,8 @@ For each :class:`~.matcher.AttentionMatch` the pass
    top-left: query ``t`` sees keys ``<= t`` of the view) the query positions are ``arange(T)``;
    masks pass through (they index logical key positions); a sliced key view ``[:n]`` without a
    mask becomes a mask of ``n`` ones;
+   the new keys and values are detached first: no gradient flows through the INT2 cache (a
+   backward pass through ``oscar.attention`` raises :class:`~oscar_compile.ops.InferenceOnlyError`);
 3. erases the original writes and the views that only fed the SDPA. Nothing else is touched: a
    blanket dead-code elimination would delete transformers' ``cumulative_length.add_``.
 
@@ -29,7 +31,7 @@ from torch import fx
 from .. import ops  # noqa: F401  (registers torch.ops.oscar)
 from ..cache import PagedInt2KVCache
 from .fx_utils import meta
-from .matcher import AttentionMatch, GraphAnalysis
+from .matcher import _METADATA_READS, AttentionMatch, GraphAnalysis, _is_read_guard
 
 
 @dataclass
@@ -38,6 +40,7 @@ class Rewritten:
     slot: str  # which INT2 storage it reads and writes (e.g. "layer 3")
     store: fx.Node
     attention: fx.Node
+    storage: PagedInt2KVCache | None = None  # that storage
 
 
 class RewriteError(RuntimeError):
@@ -60,6 +63,12 @@ def _register(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> fx.Node:
 def _erase_if_dead(graph: fx.Graph, nodes) -> None:
     for n in nodes:
         if n.graph is graph and not n.users:
+            graph.erase_node(n)
+        elif n.graph is graph and _is_read_guard(n) and all(
+                u.op == "call_method" and u.target in _METADATA_READS for u in n.users):
+            # An OscarCache read whose result is only measured (``keys.size()`` in a symbolic-length graph):
+            # the stub has the same shape, and the guard would raise if it stayed.
+            n.replace_all_uses_with(n.args[0])
             graph.erase_node(n)
 
 
@@ -87,9 +96,12 @@ def rewrite(
             tr = cache.transforms[layer]
             t_nodes = {name: _register(gm, f"{prefix}_{name}", getattr(tr, name)) for name in tr._tensor_names()}
             positions = _positions(graph, m, device)
+            # Detached: the INT2 cache is inference-only, and in grad mode AOTAutograd would otherwise
+            # trace a backward through store (a mutating op, which cannot have an autograd formula).
+            k_new, v_new = (graph.call_method("detach", (w.new,)) for w in (kw, vw))
             store = graph.call_function(
                 torch.ops.oscar.store.default,
-                (kw.new, vw.new, positions, *cache_nodes, t_nodes["key_transform"], t_nodes["key_mean"],
+                (k_new, v_new, positions, *cache_nodes, t_nodes["key_transform"], t_nodes["key_mean"],
                  t_nodes["value_transform"], t_nodes["value_mean"], float(tr.key_clip), float(tr.value_clip)),
             )
             k_chunk = graph.call_function(operator.getitem, (store, 0))
@@ -118,7 +130,7 @@ def rewrite(
             else:
                 w.node.replace_all_uses_with(w.buffer)  # in-place writes return the buffer itself
                 graph.erase_node(w.node)
-        done.append(Rewritten(m, slot, store, attn))
+        done.append(Rewritten(m, slot, store, attn, cache))
     try:
         graph.lint()
     except Exception as e:  # pragma: no cover - a bug in this pass, never a user error
