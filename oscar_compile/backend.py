@@ -354,7 +354,7 @@ def oscar_entry_point(gm, example_inputs, **kwargs):
     return default_backend()(gm, example_inputs, **kwargs)
 
 
-RECOMPILE_LIMIT = 32  # graphs per compiled function that oscar_compile.compile lets Dynamo keep
+RECOMPILE_LIMIT = 64  # graphs per compiled function that oscar_compile.compile lets Dynamo keep
 
 
 def compile(model, artifacts=None, *, fullgraph: bool = False, mode: str | None = None, dynamic=None,

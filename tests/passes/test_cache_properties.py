@@ -83,7 +83,6 @@ calls = st.fixed_dictionaries(dict(
     seed=st.integers(0, 2**16),
 ))
 sessions = st.fixed_dictionaries(dict(
-    quantize=st.booleans(),
     given_batch=st.sampled_from([None, 2, 6]),
     slack=st.integers(-2, 16),  # cache length beyond what the first call needs (negative: too short)
     calls=st.lists(calls, min_size=1, max_size=3),
@@ -100,10 +99,15 @@ def _prompt(call):
     return ids, mask
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+# One test per mode: Dynamo keeps the graphs of both compiled models under one code object (transformers'
+# forward wrapper), and torch 2.11 counts them against one recompile limit (the autouse fixture resets Dynamo
+# between tests). 150 examples each.
+@pytest.mark.parametrize("quantize", [False, True], ids=["bf16", "int2"])
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(session=sessions)
-def test_random_sessions_match_transformers(session):
+def test_random_sessions_match_transformers(quantize, session):
+    session = dict(session, quantize=quantize)
     m = _models()
     compiled = m[session["quantize"]]
     reference = m["oracle"].model if session["quantize"] else m["eager"]
