@@ -186,6 +186,23 @@ class TinyDecoder(torch.nn.Module):
         return x @ self.embed.T
 
 
+def hadamard_reference_cache(model, batch: int, max_len: int, dtype=torch.float32, device="cpu",
+                             **cache_options) -> PagedInt2KVCache:
+    """An INT2 cache shaped for ``model`` with the transforms the backend uses without artifacts (Hadamard),
+    every row allocated to ``max_len``: the cache :func:`reference_attention` calls the ops on."""
+    from .hf import _model_config, kv_geometry
+
+    h, d = kv_geometry(model)
+    layers = _model_config(model).num_hidden_layers
+    cache = PagedInt2KVCache(layers, h, d, max_batch_size=batch, max_seq_len=max_len, dtype=dtype, device=device,
+                             **cache_options)
+    for layer in range(layers):
+        cache.set_transforms(layer, LayerTransforms.hadamard(h, d))
+    for row in range(batch):
+        cache.allocate(row, max_len)
+    return cache
+
+
 def reference_attention(cache: PagedInt2KVCache):
     """A transformers attention function that calls the oscar ops on ``cache`` directly.
 

@@ -9,6 +9,7 @@ from oscar_compile import LayerTransforms, OscarCache, PagedInt2KVCache, Unsuppo
 from oscar_compile.testing import (
     FAMILIES,
     TinyDecoder,
+    hadamard_reference_cache,
     make_hf_cache,
     prefill_and_decode,
     reference_attention,
@@ -49,12 +50,7 @@ def test_int2_compiled_logits_equal_the_ops_called_directly(family):
     backend = oscar_backend(inductor=False, **opts)
     got = prefill_and_decode(torch.compile(model, backend=backend), ids, make_hf_cache("oscar", model, 32, 2), STEPS)
 
-    h = cfg.num_key_value_heads if hasattr(cfg, "num_key_value_heads") else cfg.n_head
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    cache = PagedInt2KVCache(cfg.num_hidden_layers, h, d, max_batch_size=2, max_seq_len=32, dtype=torch.float32, **opts)
-    for layer in range(cfg.num_hidden_layers):
-        cache.set_transforms(layer, LayerTransforms.hadamard(h, d))
-        cache.allocate(0, 32), cache.allocate(1, 32)
+    cache = hadamard_reference_cache(model, 2, 32, **opts)
     AttentionInterface.register("oscar_reference", reference_attention(cache))
     model.config._attn_implementation = "oscar_reference"
     ref = prefill_and_decode(model, ids, make_hf_cache("dynamic", model, 32, 2), STEPS)

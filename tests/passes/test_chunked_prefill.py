@@ -6,8 +6,8 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 import oscar_compile
-from oscar_compile import LayerTransforms, OscarCache, PagedInt2KVCache
-from oscar_compile.testing import reference_attention, rel_error, tiny_model
+from oscar_compile import OscarCache
+from oscar_compile.testing import hadamard_reference_cache, reference_attention, rel_error, tiny_model
 
 PROMPT, NEW, CHUNK = 13, 6, 4  # chunks of 4, 4, 4 and 1 tokens
 OPTS = dict(num_sinks=2, window=3, page_size=4)  # short sequences reach the INT2 pages
@@ -41,12 +41,7 @@ def test_chunked_int2_prefill_equals_the_ops_called_chunk_by_chunk():
     tokens, logits = _generate(model, OscarCache(model, max_cache_len=32, max_batch_size=2), CHUNK)
 
     eager = tiny_model("llama")
-    cfg = eager.config
-    h, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    cache = PagedInt2KVCache(cfg.num_hidden_layers, h, d, max_batch_size=2, max_seq_len=32, dtype=torch.float32, **OPTS)
-    for layer in range(cfg.num_hidden_layers):
-        cache.set_transforms(layer, LayerTransforms.hadamard(h, d))
-    cache.allocate(0, 32), cache.allocate(1, 32)
+    cache = hadamard_reference_cache(eager, 2, 32, **OPTS)
     AttentionInterface.register("oscar_reference_chunked", reference_attention(cache))
     eager.config._attn_implementation = "oscar_reference_chunked"
     ref_tokens, ref_logits = _generate(eager, DynamicCache(), CHUNK)

@@ -11,8 +11,14 @@ import torch
 from transformers import AttentionInterface
 
 import oscar_compile
-from oscar_compile import LayerTransforms, OscarCache, PagedInt2KVCache
-from oscar_compile.testing import make_hf_cache, prefill_and_decode, reference_attention, rel_error
+from oscar_compile import OscarCache
+from oscar_compile.testing import (
+    hadamard_reference_cache,
+    make_hf_cache,
+    prefill_and_decode,
+    reference_attention,
+    rel_error,
+)
 
 STEPS = 3
 
@@ -30,14 +36,7 @@ def _model(max_len):
 
 def _reference_int2(model, ids, max_len, **opts):
     """Logits of ``ids`` through the reference ops on a cache of their own (Hadamard, the backend's default)."""
-    cfg = model.config
-    h, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    cache = PagedInt2KVCache(cfg.num_hidden_layers, h, d, max_batch_size=ids.shape[0], max_seq_len=max_len,
-                             dtype=torch.bfloat16, device="cuda", **opts)
-    for layer in range(cfg.num_hidden_layers):
-        cache.set_transforms(layer, LayerTransforms.hadamard(h, d))
-    for row in range(ids.shape[0]):
-        cache.allocate(row, max_len)
+    cache = hadamard_reference_cache(model, ids.shape[0], max_len, torch.bfloat16, "cuda", **opts)
     AttentionInterface.register("oscar_reference_gpu", reference_attention(cache))
     model.config._attn_implementation = "oscar_reference_gpu"
     try:
