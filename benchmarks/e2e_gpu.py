@@ -88,7 +88,6 @@ def fresh_compile(model):
     backend = getattr(model, "oscar_backend", None)
     if backend is not None:
         backend.reset()
-        backend.graphs.clear()  # their graph modules hold the old storage
     torch.cuda.empty_cache()
 
 

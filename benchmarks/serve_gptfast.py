@@ -56,9 +56,10 @@ class Runner:
 
     def setup(self, batch: int, max_len: int, stub: bool = False) -> None:
         """New caches; for oscar also a new backend (the previous shape's graphs and INT2 storage go)."""
+        if self.backend is not None:
+            self.backend.detach()  # its eager guard: the new caches below are real buffers again
         self.backend = self.step = None
         torch._dynamo.reset()
-        self.model._forward_pre_hooks.clear()  # the previous backend's eager guard
         self.model.setup_caches(batch, max_len, stub=stub)
         torch.cuda.empty_cache() if self.device.type == "cuda" else None
         self.step = self.model

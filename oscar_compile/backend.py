@@ -179,7 +179,16 @@ class OscarBackend:
                     "recompiles, also lands here), or compile with release_dead_caches=False to keep them."
                 )
 
-        model.register_forward_pre_hook(refuse_eager)
+        self.detach()
+        self._eager_guard = model.register_forward_pre_hook(refuse_eager)
+
+    def detach(self) -> None:
+        """Stop refusing eager forwards of the attached model (use it only if its buffers were not released,
+        or were reallocated: gpt-fast's ``setup_caches``)."""
+        guard = getattr(self, "_eager_guard", None)
+        if guard is not None:
+            guard.remove()
+        self._eager_guard = None
 
     def _release_dead_caches(self, gm: fx.GraphModule, example_inputs, rewritten: list[Rewritten]) -> None:
         model = self._model() if self._model is not None else None
@@ -273,9 +282,10 @@ class OscarBackend:
         return sum(c.nbytes for c in self.storage.values())
 
     def reset(self) -> None:
-        """Drop the INT2 storage. Graphs compiled before keep theirs alive: to free the memory, also
-        ``torch._dynamo.reset()`` (or recompile the model)."""
+        """Drop the INT2 storage and the records of the graphs that use it (their graph modules hold it).
+        Graphs Dynamo still caches keep theirs alive: to free the memory, also ``torch._dynamo.reset()``."""
         self.storage.clear()
+        self.graphs.clear()
 
     def _log(self, rec: CompiledGraph) -> None:
         if log.isEnabledFor(logging.INFO):
