@@ -96,7 +96,7 @@ def attention_reference(
     g = hq // h
     pos = positions.long().expand(b, t) if positions.dim() == 1 else positions.long()
     lengths = seq_lens.long().expand(b)
-    capacity = geo.num_sinks + geo.window + geo.max_pages * geo.page_size
+    capacity = geo.capacity
     if b and (int(lengths.min()) < 0 or int(lengths.max()) > capacity):
         raise ValueError(f"oscar: seq_lens {lengths.tolist()} outside [0, {capacity}] (the cache capacity per row)")
     max_len = int(lengths.max()) if b else 0

@@ -29,6 +29,11 @@ class CacheGeometry:
     def group_size(self) -> int:
         return self.head_dim // self.num_groups
 
+    @property
+    def capacity(self) -> int:
+        """Tokens one row can hold: sinks + window + its block-table width in pages."""
+        return self.num_sinks + self.window + self.max_pages * self.page_size
+
 
 def _fail(msg: str, exc=ValueError):
     raise exc(f"oscar: {msg}")

@@ -67,8 +67,7 @@ def _page_slots(geo: CacheGeometry, block_table: torch.Tensor, row: int, quant_i
 
 
 def _capacity_text(geo: CacheGeometry) -> str:
-    cap = geo.num_sinks + geo.window + geo.max_pages * geo.page_size
-    return (f"the cache holds {cap} tokens per row ({geo.num_sinks} sinks + {geo.window} window + {geo.max_pages} pages "
+    return (f"the cache holds {geo.capacity} tokens per row ({geo.num_sinks} sinks + {geo.window} window + {geo.max_pages} pages "
             f"x {geo.page_size}); size it for the prompt plus every new token (max_seq_len / max_cache_len)")
 
 
@@ -94,8 +93,7 @@ def _row_spans(geo: CacheGeometry, pos: torch.Tensor, block_table: torch.Tensor)
         if p.numel() == 0:
             continue
         first, last = int(p[0]), int(p[-1])
-        capacity = geo.num_sinks + geo.window + geo.max_pages * geo.page_size
-        if last >= capacity:
+        if last >= geo.capacity:
             raise CacheCapacityError(f"oscar: row {b}: position {last} is past the end of the cache; {_capacity_text(geo)}")
         if not torch.equal(p, torch.arange(first, last + 1, dtype=p.dtype, device=p.device)):
             raise ValueError(f"oscar: positions of row {b} must be consecutive, got {p.tolist()[:16]}")
