@@ -43,7 +43,7 @@ import triton.language as tl
 from .checks import check_attention
 
 LOG2E = 1.4426950408889634
-LAST_LAUNCH: dict = {}  # the latest call: its compiled kernels (register/spill reports) and "splits" (its split count)
+LAST_LAUNCH: dict = {}  # the latest call: its compiled kernels (register/spill reports) and "plan" (AttentionPlan)
 
 
 @triton.jit
@@ -601,6 +601,20 @@ def plan_attention(b: int, hq: int, t: int, geo, device, block_n: int | None = N
     return plan
 
 
+def plan_tiles(b: int, hq: int, t: int, geo, device, block_n: int | None = None, splits: int | None = None,
+               budget: int = TEMP_BYTES_BUDGET, chunk_len: int | None = None) -> list[tuple[int, AttentionPlan]]:
+    """``(first query token, plan)`` of every query tile of a call: whole tiles of the first plan, then the
+    rest planned for its own size (it may split its keys differently)."""
+    plan = plan_attention(b, hq, t, geo, device, block_n, splits, budget, chunk_len)
+    tiles, t0 = [], 0
+    while t0 < t:
+        tile = plan if t - t0 >= plan.tile_tokens else plan_attention(b, hq, t - t0, geo, device, block_n, splits,
+                                                                     budget, chunk_len)
+        tiles.append((t0, tile))
+        t0 += tile.tile_tokens
+    return tiles
+
+
 def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring,
                      block_table, query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
                      k_chunk=None, v_chunk=None, chunk_positions=None, block_n: int | None = None,
@@ -626,9 +640,8 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     lens = seq_lens.expand(b) if seq_lens.numel() == 1 else seq_lens
     has_chunk = k_chunk is not None
     chunk_len = k_chunk.shape[1] if has_chunk else 0
-    plan = plan_attention(b, hq, t, geo, dev, block_n, splits, temp_budget, chunk_len=chunk_len)
-    LAST_LAUNCH["splits"] = plan.nsplit
-    LAST_LAUNCH["plan"] = plan
+    tiles = plan_tiles(b, hq, t, geo, dev, block_n, splits, temp_budget, chunk_len=chunk_len)
+    LAST_LAUNCH["plan"] = tiles[0][1]
     if has_chunk:
         cpos = chunk_positions.expand(b, chunk_len) if chunk_positions.dim() == 1 else chunk_positions
         c0 = torch.where(cpos >= 0, cpos, torch.iinfo(cpos.dtype).max).amin(-1)
@@ -653,17 +666,17 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     dt = tl.bfloat16 if dot_dtype == torch.bfloat16 else tl.float16
     f32 = lambda x: x.float().contiguous()  # noqa: E731
     bq, bo, muv = f32(query_transform), f32(output_transform), f32(value_mean)
-    # One set of temporaries, sized for the first (largest) tile and reused by every tile.
-    rows = b * h * plan.m_total
+    # One set of temporaries for every tile, as large as the largest tile needs (a shorter last tile may
+    # split its keys more; each plan is within the budget, so their maximum is too).
+    rows = max(b * h * p.m_total for _, p in tiles)
+    states = max(b * h * p.m_total * p.ns for _, p in tiles)
     qq = torch.empty(rows, d, dtype=dot_dtype, device=dev)
-    part_m = torch.empty(rows * plan.ns, dtype=torch.float32, device=dev)
+    part_m = torch.empty(states, dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
-    part_o = torch.empty(rows * plan.ns * d, dtype=torch.float32, device=dev)
+    part_o = torch.empty(states * d, dtype=torch.float32, device=dev)
     aligned = _aligned16(k_codes, v_codes, k_sink, v_sink, k_ring, v_ring, kch, vch)
-    for t0 in range(0, t, plan.tile_tokens):
-        t1 = min(t, t0 + plan.tile_tokens)
-        tile = plan if t1 - t0 == plan.tile_tokens else plan_attention(
-            b, hq, t1 - t0, geo, dev, block_n, splits, temp_budget, chunk_len=chunk_len)
+    for t0, tile in tiles:
+        t1 = t0 + tile.tile_tokens
         _launch_tile(tile, q[:, :, t0:t1], pos[:, t0:t1], lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta,
                      k_sink, v_sink, k_ring, v_ring, block_table,
                      None if mask is None else mask[:, :, t0:t1], mask_kind, mask_len, bq, bo, muv, is_causal, scale,

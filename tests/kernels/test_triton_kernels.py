@@ -26,6 +26,7 @@ from oscar_compile.kernels.triton_attention import (
     attention_triton,
     page_region_warps,
     plan_attention,
+    plan_tiles,
 )
 from oscar_compile.kernels.triton_store import store_triton
 from oscar_compile.quant import dequantize_int2
@@ -164,6 +165,11 @@ def test_plan_bounds_temporaries_at_serving_scale(batch, tokens, max_len):
     plan = plan_attention(batch, 32, tokens, geo, 132)
     assert plan.temp_bytes <= TEMP_BYTES_BUDGET
     assert batch * 8 * plan.m_total * plan.ns * 128 < 2**31
+    # every query in exactly one tile; a shorter last tile (planned for its own size) also within the budget
+    tiles = plan_tiles(batch, 32, tokens + 36, geo, 132)
+    starts = [0] + [t0 + p.tile_tokens for t0, p in tiles]
+    assert [t0 for t0, _ in tiles] == starts[:-1] and starts[-1] == tokens + 36
+    assert all(p.temp_bytes <= TEMP_BYTES_BUDGET for _, p in tiles)
     if tokens > 1:  # prefill: query blocks fill the GPU, so the keys are not split
         assert (plan.nsplit, plan.nb) == (1, 1)
         assert plan.tile_tokens >= min(tokens, 64)
