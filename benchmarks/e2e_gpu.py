@@ -9,12 +9,16 @@ a warm-up, peak GPU memory of that generate, warm-up time, greedy tokens against
 
     python benchmarks/e2e_gpu.py --models llama3-8b --configs inductor,int2 --shapes 1x32768,32x8192
 
-Each configuration runs in its own process (a compiler crash costs its rows, not the run).
+Each configuration runs in its own process (a compiler crash costs its rows, not the run). ``--parallel``
+runs the configurations' processes at once on one GPU: their warm-ups (compiling, minutes at full depth)
+overlap, and the timed generates run one at a time after every process has warmed up for that shape (a
+file barrier, then a file lock), so no timing shares the GPU or the CPU with a compile.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import time
 from pathlib import Path
@@ -91,7 +95,32 @@ def fresh_compile(model):
     torch.cuda.empty_cache()
 
 
-def run_shape(model, name, batch, prompt, new, chunk, mode, label, opts, weights):
+class _TimingTurn:
+    """Serialises the timed part of parallel configuration processes (see the module docstring): wait until
+    every process has warmed up for this shape (or died), then time under an exclusive file lock."""
+
+    def __init__(self, sync_dir, configs, me, shape):
+        self.dir, self.configs, self.me, self.shape = sync_dir and Path(sync_dir), configs, me, shape
+
+    def __enter__(self):
+        if self.dir is None:
+            return self
+        (self.dir / f"ready_{self.shape}_{self.me}").touch()
+        deadline = time.time() + 900
+        while time.time() < deadline and not all((self.dir / f"ready_{self.shape}_{c}").exists()
+                                                  or (self.dir / f"dead_{c}").exists() for c in self.configs):
+            time.sleep(0.5)
+        self.lock = open(self.dir / "timing.lock", "w")
+        fcntl.flock(self.lock, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.dir is not None:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+            self.lock.close()
+
+
+def run_shape(model, name, batch, prompt, new, chunk, mode, label, opts, weights, turn=None):
     fresh_compile(model)
     ids = torch.randint(3, 1000, (batch, prompt), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     max_len = prompt + new + 1
@@ -100,9 +129,10 @@ def run_shape(model, name, batch, prompt, new, chunk, mode, label, opts, weights
     warm = ids[:, :min(2 * chunk, prompt)]
     timed_generate(model, warm, make_cache(model, opts, batch, max_len), 2, chunk)
     warm_s = time.perf_counter() - t0
-    torch.cuda.reset_peak_memory_stats()
-    tokens, ttft, tps = timed_generate(model, ids, make_cache(model, opts, batch, max_len), new, chunk)
-    peak = torch.cuda.max_memory_allocated()
+    with turn or _TimingTurn(None, (), None, None):
+        torch.cuda.reset_peak_memory_stats()
+        tokens, ttft, tps = timed_generate(model, ids, make_cache(model, opts, batch, max_len), new, chunk)
+        peak = torch.cuda.max_memory_allocated()
     row = {"model": name, "layers": model.config.num_hidden_layers, "config": label, "batch": batch,
            "prompt": prompt, "new_tokens": new, "prefill_chunk": chunk, "mode": mode, "ttft_s": ttft,
            "decode_tokens_per_s": tps, "peak_gb": peak / 1e9, "peak_above_weights_gb": (peak - weights) / 1e9,
@@ -139,7 +169,8 @@ def child(args):
     rows, tokens = [], {}
     for batch, prompt in shapes:
         try:
-            row, tok = run_shape(model, name, batch, prompt, args.new, args.chunk, mode, label, opts, weights)
+            turn = _TimingTurn(args.sync_dir, args.configs.split(","), args.config, f"{batch}x{prompt}")
+            row, tok = run_shape(model, name, batch, prompt, args.new, args.chunk, mode, label, opts, weights, turn)
             tokens[f"{batch}x{prompt}"] = tok.cpu()
         except Exception as e:  # out of memory at a shape BF16 cannot hold, say: reported, the next shape runs
             row = {"model": name, "config": label, "batch": batch, "prompt": prompt, "error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -150,24 +181,53 @@ def child(args):
         Path(args.result + ".json").write_text(json.dumps(rows))
 
 
-def run_isolated(spec, config, args, tmp) -> tuple[list, dict]:
-    """Run one configuration in a subprocess: a crash (a segfault in a compiler) costs only its rows."""
+def run_isolated(spec, configs, args, tmp) -> dict:
+    """Run each configuration in a subprocess (a crash, say a segfault in a compiler, costs only its rows),
+    one after another or, with ``--parallel``, at once: config -> (rows, tokens)."""
     import subprocess
     import sys
 
-    result = str(Path(tmp) / f"{spec.replace(':', '_')}_{config}")
-    cmd = [sys.executable, __file__, "--child", spec, "--config", config, "--result", result, "--shapes", args.shapes,
-           "--new", str(args.new), "--chunk", str(args.chunk), "--mode", args.mode]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.config_timeout)
-        err = None if proc.returncode == 0 else f"exit {proc.returncode}: " + proc.stderr.strip()[-600:]
-    except subprocess.TimeoutExpired:
-        err = f"timed out after {args.config_timeout} s"
-    rows = json.loads(Path(result + ".json").read_text()) if Path(result + ".json").exists() else []
-    tokens = torch.load(result + ".pt") if Path(result + ".pt").exists() else {}
-    if err is not None:
-        rows.append({"model": spec, "config": CONFIGS[config][0], "error": err})
-    return rows, tokens
+    sync = Path(tmp) / f"sync_{spec.replace(':', '_')}"
+    sync.mkdir(exist_ok=True)
+    results, procs = {}, {}
+
+    def start(config):
+        result = str(Path(tmp) / f"{spec.replace(':', '_')}_{config}")
+        cmd = [sys.executable, __file__, "--child", spec, "--config", config, "--result", result, "--shapes",
+               args.shapes, "--new", str(args.new), "--chunk", str(args.chunk), "--mode", args.mode, "--configs",
+               ",".join(configs)] + (["--sync-dir", str(sync)] if args.parallel else [])
+        with open(result + ".log", "w") as log:  # a file, not a pipe: a pipe nobody reads blocks a chatty child
+            procs[config] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), result)
+
+    def finish(config, timeout):
+        proc, result = procs.pop(config)
+        try:
+            proc.wait(timeout=max(timeout, 1))
+            err = None if proc.returncode == 0 else f"exit {proc.returncode}: " + Path(result + ".log").read_text().strip()[-600:]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            err = f"timed out after {args.config_timeout} s"
+        (sync / f"dead_{config}").touch()  # a parallel sibling waiting for this one's warm-up stops waiting
+        rows = json.loads(Path(result + ".json").read_text()) if Path(result + ".json").exists() else []
+        tokens = torch.load(result + ".pt") if Path(result + ".pt").exists() else {}
+        if err is not None:
+            rows.append({"model": spec, "config": CONFIGS[config][0], "error": err})
+        results[config] = rows, tokens
+
+    if args.parallel:
+        for config in configs:
+            start(config)
+        deadline = time.time() + args.config_timeout
+        while procs:  # reap each as it exits (its dead_ file must appear at once), kill the rest at the deadline
+            for config in [c for c, (p, _) in procs.items() if p.poll() is not None or time.time() > deadline]:
+                finish(config, deadline - time.time())
+            time.sleep(0.5)
+    else:
+        for config in configs:
+            start(config)
+            finish(config, args.config_timeout)
+    return results
 
 
 def main():
@@ -179,6 +239,8 @@ def main():
     ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (transformers' prefill_chunk_size)")
     ap.add_argument("--mode", default="reduce-overhead", help="compile mode of the oscar configurations")
     ap.add_argument("--config-timeout", type=int, default=300)
+    ap.add_argument("--parallel", action="store_true", help="warm up the configurations at once (see the docstring)")
+    ap.add_argument("--sync-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "e2e_h200.json"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--config", default=None, help=argparse.SUPPRESS)
@@ -192,9 +254,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.models.split(","):
             tokens, spec_rows = {}, {}
-            for config in args.configs.split(","):
-                spec_rows[config], tokens[config] = run_isolated(spec, config, args, tmp)
-                for row in spec_rows[config]:
+            for config, (rows_c, tokens_c) in run_isolated(spec, args.configs.split(","), args, tmp).items():
+                spec_rows[config], tokens[config] = rows_c, tokens_c
+                for row in rows_c:
                     print(json.dumps(row), flush=True)
             # greedy tokens against the first BF16 configuration that ran, per shape
             ref = next((k for k in ("inductor", "eager", "inductor-ro") if tokens.get(k)), None)
