@@ -2,7 +2,8 @@
 
 Layout per layer (DESIGN.md section 3)::
 
-    k_codes, v_codes  [num_pages, page_size, kv_heads, d // 4]    uint8, quartered INT2
+    k_codes, v_codes  [num_pages, page_size, kv_heads, d // 4]    uint8, INT2 in fragment order (kernels/fragment_order.py;
+                                                                  logical quartered order where d % 64 or page_size % 16)
     k_meta,  v_meta   [num_pages, page_size, kv_heads, 2 * d // g] (scales..., mins...) in meta_dtype
     k_sink,  v_sink   [batch, num_sinks, kv_heads, d]             cache dtype (BF16)
     k_ring,  v_ring   [batch, window, kv_heads, d]                cache dtype, slot = position % window

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import dequantize_int2
+from . import fragment_order
 from .checks import CacheGeometry, check_attention
 
 # Queries per chunk in the reference: bounds the [heads, chunk, L] score buffer for long prefills.
@@ -31,7 +32,7 @@ _QUERY_CHUNK = 256
 
 
 def gather_history(
-    geo: CacheGeometry, codes, meta, sink, ring, block_table, lengths: torch.Tensor, max_len: int
+    geo: CacheGeometry, codes, meta, sink, ring, block_table, lengths: torch.Tensor, max_len: int, kind: str
 ) -> torch.Tensor:
     """Read the stored (transformed) history of each row: ``[B, max_len, H, d]`` float32.
 
@@ -50,7 +51,7 @@ def gather_history(
         pages = block_table[:nb].long()[:, logical].clamp(min=0)  # [B, L - S]; unowned -> masked below
         slots = (jq % ps).expand_as(pages)
         deq = dequantize_int2(
-            codes[pages, slots], *meta[pages, slots].float().chunk(2, dim=-1), group_size=geo.group_size
+            fragment_order.read_rows(codes, pages, slots, kind), *meta[pages, slots].float().chunk(2, dim=-1), group_size=geo.group_size
         )
         in_page = j[s:][None, :] < (lengths[:, None] - w)
         hist = deq
@@ -105,8 +106,8 @@ def attention_reference(
     if max_len == 0:
         return out.reshape(b, hq, t, d).to(q.dtype)
 
-    keys = gather_history(geo, k_codes, k_meta, k_sink, k_ring, block_table, lengths, max_len)
-    values = gather_history(geo, v_codes, v_meta, v_sink, v_ring, block_table, lengths, max_len)
+    keys = gather_history(geo, k_codes, k_meta, k_sink, k_ring, block_table, lengths, max_len, "k")
+    values = gather_history(geo, v_codes, v_meta, v_sink, v_ring, block_table, lengths, max_len, "v")
     if k_chunk is not None:
         cpos = chunk_positions.long().expand(b, k_chunk.shape[1]) if chunk_positions.dim() == 1 else chunk_positions.long()
         for row in range(b):

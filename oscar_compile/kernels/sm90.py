@@ -62,12 +62,12 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4, num_s
 
 
 def compile_attention(d=128, g=4, block_m=16, block_n=128, region=0, prefill=False, unpack="asm", ablate=0,
-                      num_warps=4, num_stages=2, ng=1, mask_kind=0, maxnreg=None, causal=None):
+                      num_warps=4, num_stages=2, ng=1, mask_kind=0, maxnreg=None, causal=None, frag=True):
     from .triton_attention import _attn_kernel
 
     const = dict(H=8, G=g, D=d, NG=ng, PS=16, HAS_RING=True, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=prefill if causal is None else causal,
                  MASK_KIND=mask_kind, HAS_CHUNK=prefill, DT=tl.float16, KC=min(d, 64), ALIGNED=True, ABLATE=ablate,
-                 USE_ASM=unpack == "asm", REGION=region)
+                 USE_ASM=unpack == "asm", REGION=region, FRAG=frag and d % 64 == 0)
     return compile_sm90(_attn_kernel, const, ATTENTION_POINTERS, num_warps, num_stages, maxnreg)
 
 
@@ -85,11 +85,41 @@ def compile_query(d=128, g=4, block_m=16):
                         num_stages=3)
 
 
-def compile_store(d=128, ng=1, clip=True):
+def compile_store(d=128, ng=1, clip=True, frag=True):
     from .triton_store import _store_kernel
 
-    return compile_sm90(_store_kernel, dict(PS=16, BLOCK_T=16, D=d, NG=ng, K_CLIP=clip, V_CLIP=clip, HAS_RING=True),
+    return compile_sm90(_store_kernel, dict(PS=16, BLOCK_T=16, D=d, NG=ng, K_CLIP=clip, V_CLIP=clip, HAS_RING=True,
+                                            FRAG=frag and d % 64 == 0),
                         STORE_POINTERS, num_warps=8 if d >= 256 else 4, num_stages=3)
+
+
+def compile_gluon_decode(d=128, g=4, mask_kind=1, causal=True, num_warps=None, tiles=None):
+    """The Gluon decode kernel of the page region (:mod:`.gluon_decode`) for sm_90."""
+    from triton.experimental import gluon
+
+    from . import triton_attention as ta
+    from .gluon_decode import _page_decode_kernel as fn
+
+    num_warps, tiles = num_warps or ta.GLUON_WARPS, tiles or ta.GLUON_TILES
+    const = dict(H=8, G=g, D=d, PS=16, NW=num_warps, NT=tiles, HAS_CHUNK=True, MASK_KIND=mask_kind, IS_CAUSAL=causal)
+    pointers = {"qq_ptr": "*fp16", "pos_ptr": "*i64", "len_ptr": "*i64", "c0_ptr": "*i64", "kc_ptr": "*i32",
+                "km_ptr": "*i32", "vc_ptr": "*i32", "vm_ptr": "*i32", "bt_ptr": "*i32", "mask_ptr": "*u8",
+                "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_o_ptr": "*fp32"}
+    names = fn.arg_names
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in pointers:
+            sig[n] = pointers[n]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[n] = "i32"
+            if n in ("sc_p", "sc_s", "sm_p", "sbt_b"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = gluon._runtime.GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                                        attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
 def launch_variants(d: int) -> dict:
@@ -104,6 +134,9 @@ def launch_variants(d: int) -> dict:
         f"query d={d}": lambda: compile_query(d=d, block_m=16),
         f"query prefill d={d}": lambda: compile_query(d=d, block_m=64),
         f"store d={d}": lambda: compile_store(d=d, clip=True),
+        **({"gluon decode d=128": lambda: compile_gluon_decode(d=128),
+            "gluon decode d=128, no mask, G=8": lambda: compile_gluon_decode(d=128, g=8, mask_kind=0, causal=False)}
+           if d == 128 else {}),
     }
 
 
@@ -116,6 +149,8 @@ def extra_variants() -> dict:
         "pages, 2 groups": lambda: compile_attention(d=128, block_m=16, region=0, ng=2),
         "pages, 2 warps": lambda: compile_attention(d=128, block_m=16, region=0, num_warps=2),
         "store, 2 groups, no clip": lambda: compile_store(d=128, ng=2, clip=False),
+        "store, logical order": lambda: compile_store(d=128, frag=False),
+        "pages, logical order": lambda: compile_attention(d=128, block_m=16, region=0, frag=False),
     }
 
 

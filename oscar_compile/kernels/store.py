@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import quantize_int2
+from . import fragment_order
 from .checks import CacheGeometry, check_store
 
 
@@ -71,7 +72,7 @@ def _capacity_text(geo: CacheGeometry) -> str:
             f"x {geo.page_size}); size it for the prompt plus every new token (max_seq_len / max_cache_len)")
 
 
-def _write_pages(geo, codes, meta, block_table, row, quant_index, rows_fp, clip):
+def _write_pages(geo, codes, meta, block_table, row, quant_index, rows_fp, clip, kind):
     if quant_index.numel() == 0:
         return
     pages, slots = _page_slots(geo, block_table, row, quant_index)
@@ -80,7 +81,7 @@ def _write_pages(geo, codes, meta, block_table, row, quant_index, rows_fp, clip)
     bad = ~torch.isfinite(rows_fp).all(dim=-1, keepdim=True)
     nan = torch.tensor(float("nan"), dtype=meta.dtype, device=meta.device)
     scale, minimum = torch.where(bad, nan, scale), torch.where(bad, nan, minimum)
-    codes[pages, slots] = packed
+    fragment_order.write_rows(codes, pages, slots, packed, kind)
     meta[pages, slots] = torch.cat([scale, minimum], dim=-1)
 
 
@@ -105,7 +106,7 @@ def _row_spans(geo: CacheGeometry, pos: torch.Tensor, block_table: torch.Tensor)
     return spans
 
 
-def _store_side(geo, x_t, spans, codes, meta, sink, ring, block_table, clip):
+def _store_side(geo, x_t, spans, codes, meta, sink, ring, block_table, clip, kind):
     """Write one side (keys or values) of every row. ``x_t``: ``[B, T, H, d]`` in cache dtype."""
     s, w = geo.num_sinks, geo.window
     for b, valid, p in spans:
@@ -115,13 +116,13 @@ def _store_side(geo, x_t, spans, codes, meta, sink, ring, block_table, clip):
         evict_lo, evict_hi = max(s, first - w), min(first, new_len - w)
         if w > 0 and evict_hi > evict_lo:
             old = torch.arange(evict_lo, evict_hi, device=p.device)
-            _write_pages(geo, codes, meta, block_table, b, old - s, ring[b, old % w].float(), clip)
+            _write_pages(geo, codes, meta, block_table, b, old - s, ring[b, old % w].float(), clip, kind)
         # 2. This call's tokens, each to its final region.
         in_sink = p < s
         in_page = (p >= s) & (p < new_len - w)
         in_ring = (p >= s) & ~in_page
         sink[b, p[in_sink]] = x[in_sink]
-        _write_pages(geo, codes, meta, block_table, b, p[in_page] - s, x[in_page].float(), clip)
+        _write_pages(geo, codes, meta, block_table, b, p[in_page] - s, x[in_page].float(), clip, kind)
         if w > 0:
             ring[b, p[in_ring] % w] = x[in_ring]
 
@@ -155,6 +156,6 @@ def store_reference(
     vt = transform_rows(v, value_transform, value_mean)
     spans = _row_spans(geo, pos, block_table)  # validates everything before the first write
     kt, vt = kt.to(k_sink.dtype).contiguous(), vt.to(v_sink.dtype).contiguous()  # fake returns contiguous
-    _store_side(geo, kt, spans, k_codes, k_meta, k_sink, k_ring, block_table, key_clip)
-    _store_side(geo, vt, spans, v_codes, v_meta, v_sink, v_ring, block_table, value_clip)
+    _store_side(geo, kt, spans, k_codes, k_meta, k_sink, k_ring, block_table, key_clip, "k")
+    _store_side(geo, vt, spans, v_codes, v_meta, v_sink, v_ring, block_table, value_clip, "v")
     return kt, vt

@@ -33,6 +33,7 @@ in place of the hand prefetch was measured slower on the H200 and removed
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -40,7 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fragment_order
 from .checks import check_attention
+
+log = logging.getLogger("oscar_compile.kernels")
 
 LOG2E = 1.4426950408889634
 LAST_LAUNCH: dict = {}  # the latest call: its compiled kernels (register/spill reports) and "plan" (AttentionPlan)
@@ -71,39 +75,61 @@ def _page_of(bt_ptr, b, sbt_b, j, hi, S, PS: tl.constexpr):
 
 
 @triton.jit
-def _channel_of(u, D: tl.constexpr):
+def _channel_of(u, D: tl.constexpr, FRAG: tl.constexpr):
     """True channel of unpacked position ``16 w + i`` (bit pair ``i`` of word ``w``, see :func:`_unpack_words`).
 
-    Pair ``j = i // 2`` of a word holds bits ``2j`` (even ``i``) and ``16 + 2j`` (odd ``i``): byte
-    ``j // 4 + 2 (i % 2)`` of the word, quarter ``j % 4``.
+    Pair ``j = i // 2`` of a word holds bits ``2j`` (even ``i``) and ``16 + 2j`` (odd ``i``). Logical
+    order: byte ``j // 4 + 2 (i % 2)`` of the word, quarter ``j % 4``. Fragment order (the words
+    :func:`_load_page_block` assembles): word ``w = t d/64 + c64``, channel ``64 c64 + 32 j2 + 16 j1 +
+    8 j0 + 2 t + i % 2`` (``j = 4 j2 + 2 j1 + j0``, :mod:`.fragment_order`).
     """
     w = u // 16
     i = u % 16
     j = i // 2
+    if FRAG:
+        return 64 * (w % (D // 64)) + 32 * (j // 4) + 16 * ((j // 2) % 2) + 8 * (j % 2) + 2 * (w // (D // 64)) + i % 2
     return (j % 4) * (D // 4) + 4 * w + j // 4 + 2 * (i % 2)
 
 
 @triton.jit
 def _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page, j, hi, S, h, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
                      PS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
-                     ALIGNED: tl.constexpr):
+                     ALIGNED: tl.constexpr, FRAG: tl.constexpr):
     """Packed codes (int32 words, ``[BLOCK_N, D/16]``) and metadata of keys ``j``: ``[BLOCK_N, 2]``
-    (scale, min) for one group a row, else ``[BLOCK_N, D, 2]`` (each unpacked position's group's)."""
+    (scale, min) for one group a row, else ``[BLOCK_N, D, 2]`` (each unpacked position's group's).
+
+    Fragment order (:mod:`.fragment_order`): a key owns 8 whole words of its 16-slot group (gathered);
+    a value owns 16-bit halves of 16 words, two of which make one word here (``g = 2m`` low, ``2m + 1`` high).
+    """
     ok = j < hi
     slot = tl.where(ok, j - S, 0) % PS
-    rowoff = page * sc_p + slot * sc_s + h * sc_h  # in words
-    if ALIGNED:
-        rowoff = tl.multiple_of(rowoff, 4)  # 16-byte rows: vector loads
     metaoff = page * sm_p + slot * sm_s + h * sm_h
     w = tl.arange(0, D // 16)
-    kw = tl.load(kc_ptr + rowoff[:, None] + w[None, :], mask=ok[:, None], other=0)
-    vw = tl.load(vc_ptr + rowoff[:, None] + w[None, :], mask=ok[:, None], other=0)
+    if FRAG:
+        s = slot % 16
+        grp = (page * sc_p + (slot - s) * sc_s + h * sc_h)[:, None]  # the group's first row, in words
+        t = (w // (D // 64))[None, :]
+        c64 = (w % (D // 64))[None, :]
+        kword = (4 * (s % 8)[:, None] + t) * (D // 32) + (s // 8)[:, None] * (D // 64) + c64
+        kw = tl.load(kc_ptr + grp + (kword // (D // 16)) * sc_s + kword % (D // 16), mask=ok[:, None], other=0)
+        vword = (4 * (2 * t) + ((s % 8) // 2)[:, None]) * (D // 32) + (s // 8)[:, None] * (D // 64) + c64
+        vword2 = vword + 4 * (D // 32)  # g = 2m + 1
+        v_lo = tl.load(vc_ptr + grp + (vword // (D // 16)) * sc_s + vword % (D // 16), mask=ok[:, None], other=0)
+        v_hi = tl.load(vc_ptr + grp + (vword2 // (D // 16)) * sc_s + vword2 % (D // 16), mask=ok[:, None], other=0)
+        sh = (16 * (s % 2)).to(tl.int32)[:, None]
+        vw = (((v_lo >> sh) & 0xFFFF) | (((v_hi >> sh) & 0xFFFF) << 16)).to(tl.int32)
+    else:
+        rowoff = page * sc_p + slot * sc_s + h * sc_h  # in words
+        if ALIGNED:
+            rowoff = tl.multiple_of(rowoff, 4)  # 16-byte rows: vector loads
+        kw = tl.load(kc_ptr + rowoff[:, None] + w[None, :], mask=ok[:, None], other=0)
+        vw = tl.load(vc_ptr + rowoff[:, None] + w[None, :], mask=ok[:, None], other=0)
     if NG == 1:
         g2 = tl.arange(0, 2)
         km = tl.load(km_ptr + metaoff[:, None] + g2[None, :], mask=ok[:, None], other=0.0)
         vm = tl.load(vm_ptr + metaoff[:, None] + g2[None, :], mask=ok[:, None], other=0.0)
     else:
-        grp = _channel_of(tl.arange(0, D), D) // (D // NG)
+        grp = _channel_of(tl.arange(0, D), D, FRAG) // (D // NG)
         moff = metaoff[:, None] + grp[None, :]
         km = tl.join(tl.load(km_ptr + moff, mask=ok[:, None], other=0.0),
                      tl.load(km_ptr + moff + NG, mask=ok[:, None], other=0.0))
@@ -274,7 +300,7 @@ def _attn_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, PS: tl.constexpr, HAS_RING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_CHUNK: tl.constexpr, DT: tl.constexpr, KC: tl.constexpr, ALIGNED: tl.constexpr, ABLATE: tl.constexpr,
-    USE_ASM: tl.constexpr, REGION: tl.constexpr,
+    USE_ASM: tl.constexpr, REGION: tl.constexpr, FRAG: tl.constexpr = False,
 ):
     """One split of one row block: REGION 0 = INT2 pages (splits ``0 .. NSPLIT-1``), 1 = BF16 keys
     (splits ``NSPLIT ..``). Two launches, so each region's code gets registers of its own.
@@ -312,7 +338,7 @@ def _attn_kernel(
     if REGION == 0:
         # The page region works in the unpacked channel order (no shuffles after unpacking): it reads the
         # query's channels in that order and writes its partial output back to channel order at the end.
-        uperm = _channel_of(dcol, D)
+        uperm = _channel_of(dcol, D, FRAG)
         qq = tl.load(qrow + uperm[None, :], mask=row_ok[:, None], other=0.0)
         qsum = tl.sum(qq.to(tl.float32), 1)
         # ---------------- INT2 pages: keys [lo, hi) of the page region.
@@ -323,12 +349,12 @@ def _attn_kernel(
         hi = tl.minimum(lo + keys_per_split, page_end)
         page_n = _page_of(bt_ptr, b, sbt_b, lo + nblk, hi, S, PS)
         kw, km, vw, vm = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page_n, lo + nblk, hi, S, h,
-                                          sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N, D, NG, ALIGNED)
+                                          sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N, D, NG, ALIGNED, FRAG)
         page_n = _page_of(bt_ptr, b, sbt_b, lo + BLOCK_N + nblk, hi, S, PS)
         for j0 in range(lo, hi, BLOCK_N):
             kw_n, km_n, vw_n, vm_n = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page_n, j0 + BLOCK_N + nblk,
                                                       hi, S, h, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N,
-                                                      D, NG, ALIGNED)
+                                                      D, NG, ALIGNED, FRAG)
             page_n = _page_of(bt_ptr, b, sbt_b, j0 + 2 * BLOCK_N + nblk, hi, S, PS)
             j = j0 + nblk
             key_ok = j < hi
@@ -530,6 +556,7 @@ class AttentionPlan:
     bf16_per_split: int
     nb: int
     temp_bytes: int  # what one tile allocates (qq + partial states)
+    page_kernel: str = "triton"  # which kernel reads the INT2 pages: "gluon" (decode, gluon_decode.py) or "triton"
 
     @property
     def ns(self) -> int:
@@ -538,9 +565,68 @@ class AttentionPlan:
 
 BF16_BLOCK_N = 64
 
+# The Gluon decode kernel: 4 warps of one 16-key tile each per block (measured on the H200 against 2 tiles
+# and 8 warps: fastest or within 10% at every shape of DESIGN.md section 6, results/gluon_decode_h200.json).
+GLUON_WARPS, GLUON_TILES = 4, 1
+GLUON_KEYS_PER_BLOCK = GLUON_WARPS * GLUON_TILES * 16
+# "auto": the Gluon kernel for the decode steps it takes, else "triton" everywhere (read once).
+PAGE_KERNEL = os.environ.get("OSCAR_PAGE_KERNEL", "auto")
+
+
+def gluon_splits(batch: int, kv_heads: int, page_keys: int, sms: int) -> int:
+    """Key splits of the Gluon decode kernel: about four programs an SM (small programs of 4 warps and
+    ~100 registers; several are resident at once), at least four key blocks a split."""
+    want = -(-4 * sms // max(1, batch * kv_heads))
+    most = max(1, -(-page_keys // (4 * GLUON_KEYS_PER_BLOCK)))
+    return int(max(1, min(want, most, 128)))
+
+
+@functools.lru_cache(maxsize=1)
+def _gluon_decode():
+    """The Gluon module, or None where this Triton has no Gluon (the Triton kernel then reads the pages)."""
+    try:
+        from . import gluon_decode
+        return gluon_decode
+    except Exception as e:  # an older Triton: no triton.experimental.gluon, or a different API
+        log.info("oscar: Gluon decode kernel unavailable (%s: %s); the Triton kernel reads the pages", type(e).__name__, e)
+        return None
+
+
+def choose_page_kernel(q, geo, k_codes, k_meta, t: int, mask_kind: int, dot_dtype, want: str | None = None) -> str:
+    """``"gluon"`` where the Gluon decode kernel takes this call (fragment-ordered pages, head_dim 128, a GQA
+    group of at most 8, one (scale, min) fp16 pair a row, one query token, no additive mask, sm_80+), else ``"triton"``."""
+    want = want or PAGE_KERNEL
+    if want == "triton" or q.device.type != "cuda" or _INTERPRET:
+        return "triton"
+    reasons = [why for bad, why in (
+        (not fragment_order.in_fragment_order(k_codes), "pages not in fragment order"),
+        (geo.head_dim != 128, f"head_dim {geo.head_dim}"),
+        (q.shape[1] // geo.num_kv_heads > 8, "GQA group > 8"),
+        (geo.num_groups != 1 or k_meta.dtype != torch.float16, "metadata not one fp16 pair a row"),
+        (mask_kind == 2, "additive mask"),
+        (t != 1, "more than one query token"),
+        (dot_dtype != torch.float16, "bf16 dot"),
+        (torch.cuda.get_device_capability(q.device) < (8, 0), "GPU older than sm_80"),
+    ) if bad]
+    if not reasons and _gluon_decode() is None:
+        reasons.append("no Gluon in this Triton")
+    if reasons:
+        if want == "gluon" and reasons != ["more than one query token"]:  # forced: prefill still takes Triton
+            raise ValueError(f"oscar: the Gluon decode kernel does not take this call: {', '.join(reasons)}")
+        _log_choice("triton", tuple(reasons))
+        return "triton"
+    _log_choice("gluon", ())
+    return "gluon"
+
+
+@functools.lru_cache(maxsize=64)
+def _log_choice(kernel: str, reasons: tuple) -> None:
+    log.info("oscar: INT2 page region of decode steps read by the %s kernel%s", kernel,
+             f" ({', '.join(reasons)})" if reasons else "")
+
 
 def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms: int, block_n: int,
-               splits: int | None) -> AttentionPlan:
+               splits: int | None, page_kernel: str = "triton") -> AttentionPlan:
     m_total = g * tq
     block_m = 16 if m_total <= 16 else (32 if m_total <= 32 else 64)
     m_blocks = triton.cdiv(m_total, block_m)
@@ -553,13 +639,17 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
     bf16_keys = max(1, geo.num_sinks + geo.window + chunk_len)  # sinks, ring and the new chunk
     # Query blocks alone fill the GPU (prefill): splitting the keys would only add partial states to merge.
     filled = b * h * m_blocks >= 2 * sms
+    page_kernel = page_kernel if tq == 1 else "triton"  # the Gluon kernel takes one query token a row
     if splits:
         nsplit = int(splits)
+    elif page_kernel == "gluon":
+        nsplit = gluon_splits(b, h, page_keys, sms)
     elif filled:
         nsplit = 1
     else:
         nsplit = num_splits(b, h, page_m_blocks, page_keys, block_n, sms)
-    keys_per_split = triton.cdiv(triton.cdiv(page_keys, nsplit), block_n) * block_n
+    unit = GLUON_KEYS_PER_BLOCK if page_kernel == "gluon" else block_n
+    keys_per_split = triton.cdiv(triton.cdiv(page_keys, nsplit), unit) * unit
     if filled and not splits:
         bf16_per_split = triton.cdiv(bf16_keys, BF16_BLOCK_N) * BF16_BLOCK_N
     else:
@@ -572,11 +662,12 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
     rows = b * h * m_total
     temp = rows * d * 2 + rows * (nsplit + nb) * (d + 2) * 4  # qq (fp16) + partial o, m, l (fp32)
     return AttentionPlan(tq, m_total, block_m, m_blocks, page_m, page_m_blocks, block_n, nsplit, keys_per_split,
-                         bf16_per_split, nb, temp)
+                         bf16_per_split, nb, temp, page_kernel)
 
 
 def plan_attention(b: int, hq: int, t: int, geo, device, block_n: int | None = None, splits: int | None = None,
-                   budget: int = TEMP_BYTES_BUDGET, chunk_len: int | None = None) -> AttentionPlan:
+                   budget: int = TEMP_BYTES_BUDGET, chunk_len: int | None = None,
+                   page_kernel: str = "triton") -> AttentionPlan:
     """The launch plan of an attention call with ``b`` rows of ``t`` query tokens of ``hq`` heads.
 
     Temporaries stay within ``budget`` bytes whatever ``b x t``: a prompt whose partial states would not
@@ -588,28 +679,29 @@ def plan_attention(b: int, hq: int, t: int, geo, device, block_n: int | None = N
     sms = _sm_count(device) if isinstance(device, torch.device) else int(device)
     chunk_len = t if chunk_len is None else chunk_len
     tq = max(t, 1)
-    plan = _plan_tile(b, h, g, tq, chunk_len, d, geo, sms, block_n, splits)
+    plan = _plan_tile(b, h, g, tq, chunk_len, d, geo, sms, block_n, splits, page_kernel)
     for _ in range(8):  # shrinking a tile can add splits (fewer rows): re-plan until it fits
         if plan.temp_bytes <= budget or tq == 1:
             break
         tq = max(1, min(tq - 1, tq * budget // plan.temp_bytes))
         if tq > 16:
             tq -= tq % 16  # whole 64-row blocks at GQA 4
-        plan = _plan_tile(b, h, g, tq, chunk_len, d, geo, sms, block_n, splits)
+        plan = _plan_tile(b, h, g, tq, chunk_len, d, geo, sms, block_n, splits, page_kernel)
     if plan.temp_bytes > budget and tq > 1:  # pragma: no cover - the loop converges in 2-3 steps
         raise RuntimeError(f"oscar: no query tile of {b} x {hq} heads fits {budget} bytes of temporaries")
     return plan
 
 
 def plan_tiles(b: int, hq: int, t: int, geo, device, block_n: int | None = None, splits: int | None = None,
-               budget: int = TEMP_BYTES_BUDGET, chunk_len: int | None = None) -> list[tuple[int, AttentionPlan]]:
+               budget: int = TEMP_BYTES_BUDGET, chunk_len: int | None = None,
+               page_kernel: str = "triton") -> list[tuple[int, AttentionPlan]]:
     """``(first query token, plan)`` of every query tile of a call: whole tiles of the first plan, then the
     rest planned for its own size (it may split its keys differently)."""
-    plan = plan_attention(b, hq, t, geo, device, block_n, splits, budget, chunk_len)
+    plan = plan_attention(b, hq, t, geo, device, block_n, splits, budget, chunk_len, page_kernel)
     tiles, t0 = [], 0
     while t0 < t:
         tile = plan if t - t0 >= plan.tile_tokens else plan_attention(b, hq, t - t0, geo, device, block_n, splits,
-                                                                     budget, chunk_len)
+                                                                     budget, chunk_len, page_kernel)
         tiles.append((t0, tile))
         t0 += tile.tile_tokens
     return tiles
@@ -621,8 +713,11 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      splits: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                      dot_dtype: torch.dtype = torch.float16, ablate: int = 0, unpack: str | None = None,
                      maxnreg: int | None = None, page_warps: int | None = None,
-                     temp_budget: int = TEMP_BYTES_BUDGET):
+                     temp_budget: int = TEMP_BYTES_BUDGET, page_kernel: str | None = None):
     """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
+
+    ``page_kernel``: ``"gluon"``, ``"triton"`` or None (:data:`PAGE_KERNEL`, by default the Gluon decode
+    kernel wherever it takes the call, :func:`choose_page_kernel`). The other options tune the Triton kernel.
 
     The chunk, when given, must be the row's newest tokens (what ``store`` just returned).
     """
@@ -640,16 +735,6 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     lens = seq_lens.expand(b) if seq_lens.numel() == 1 else seq_lens
     has_chunk = k_chunk is not None
     chunk_len = k_chunk.shape[1] if has_chunk else 0
-    tiles = plan_tiles(b, hq, t, geo, dev, block_n, splits, temp_budget, chunk_len=chunk_len)
-    LAST_LAUNCH["plan"] = tiles[0][1]
-    if has_chunk:
-        cpos = chunk_positions.expand(b, chunk_len) if chunk_positions.dim() == 1 else chunk_positions
-        c0 = torch.where(cpos >= 0, cpos, torch.iinfo(cpos.dtype).max).amin(-1)
-        c_end = cpos.amax(-1) + 1
-        kch, vch = k_chunk, v_chunk
-    else:
-        c0 = c_end = lens
-        kch, vch = k_sink, v_sink  # unused
     if attn_mask is not None:
         mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
         mask_kind = 1 if mask.dtype == torch.bool else 2
@@ -659,6 +744,17 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
         mask_len = mask.shape[-1]
     else:
         mask, mask_kind, mask_len = None, 0, 0
+    kernel = "triton" if ablate else choose_page_kernel(q, geo, k_codes, k_meta, t, mask_kind, dot_dtype, page_kernel)
+    tiles = plan_tiles(b, hq, t, geo, dev, block_n, splits, temp_budget, chunk_len=chunk_len, page_kernel=kernel)
+    LAST_LAUNCH["plan"] = tiles[0][1]
+    if has_chunk:
+        cpos = chunk_positions.expand(b, chunk_len) if chunk_positions.dim() == 1 else chunk_positions
+        c0 = torch.where(cpos >= 0, cpos, torch.iinfo(cpos.dtype).max).amin(-1)
+        c_end = cpos.amax(-1) + 1
+        kch, vch = k_chunk, v_chunk
+    else:
+        c0 = c_end = lens
+        kch, vch = k_sink, v_sink  # unused
     # Tensor-core operands: fp16 (codes 0..3 are exact, q' and P keep 11 bits; BF16 cache rows convert
     # exactly within fp16's range). bf16 keeps range for caches with |x| > 65504, at 8 bits.
     kw, vw = _as_words(k_codes), _as_words(v_codes)
@@ -681,15 +777,15 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      k_sink, v_sink, k_ring, v_ring, block_table,
                      None if mask is None else mask[:, :, t0:t1], mask_kind, mask_len, bq, bo, muv, is_causal, scale,
                      qq, part_m, part_l, part_o, out[:, :, t0:t1], geo, h, g, d, dt, use_asm, aligned, ablate,
-                     num_warps, num_stages, maxnreg, page_warps, has_chunk)
+                     num_warps, num_stages, maxnreg, page_warps, has_chunk, fragment_order.in_fragment_order(k_codes))
     return out
 
 
 def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring,
                  block_table, mask, mask_kind, mask_len, bq, bo, muv, is_causal, scale, qq, part_m, part_l, part_o,
                  out, geo, h, g, d, dt, use_asm, aligned, ablate, num_warps, num_stages, maxnreg, page_warps,
-                 has_chunk):
-    """The four launches of one query tile: rotate queries, page region, BF16 keys, merge."""
+                 has_chunk, frag):
+    """The four launches of one query tile: rotate queries, page region (Gluon or Triton), BF16 keys, merge."""
     b = q.shape[0]
     m_total, ns = plan.m_total, plan.ns
     smk = mask.stride() if mask is not None else (0, 0, 0, 0)
@@ -707,12 +803,19 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     )
     meta = dict(H=h, G=g, D=d, NG=geo.num_groups, PS=geo.page_size, HAS_RING=geo.window > 0,
                 IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_CHUNK=has_chunk, DT=dt, KC=min(d, 64),
-                ALIGNED=aligned, ABLATE=ablate, USE_ASM=use_asm, num_stages=num_stages)
+                ALIGNED=aligned, ABLATE=ablate, USE_ASM=use_asm, FRAG=frag, num_stages=num_stages)
     page_opts = {"maxnreg": maxnreg} if maxnreg else {}  # a register cap trades spills for CTAs per SM
     # warps: page_warps for the page region alone, else num_warps for both regions, else the heuristic
     page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, plan.page_m_blocks, plan.page_m, q.device)
-    LAST_LAUNCH["attention"] = _attn_kernel[(b * h, plan.page_m_blocks, plan.nsplit)](
-        *args, REGION=0, BLOCK_M=plan.page_m, BLOCK_N=plan.block_n, **meta, **page_opts)
+    if plan.page_kernel == "gluon":
+        LAST_LAUNCH["attention"] = _gluon_decode().launch_pages(
+            (b * h, plan.nsplit), qq, pos, lens, c0, kw, k_meta.view(torch.int32), vw, v_meta.view(torch.int32),
+            block_table, q if mask is None else mask, smk, mask_len, part_m, part_l, part_o, plan.keys_per_split,
+            geo.num_sinks, geo.window, ns, h, g, d, geo.page_size, has_chunk, mask_kind, is_causal,
+            num_warps=GLUON_WARPS, tiles=GLUON_TILES)
+    else:
+        LAST_LAUNCH["attention"] = _attn_kernel[(b * h, plan.page_m_blocks, plan.nsplit)](
+            *args, REGION=0, BLOCK_M=plan.page_m, BLOCK_N=plan.block_n, **meta, **page_opts)
     LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, plan.m_blocks, plan.nb)](
         *args, REGION=1, BLOCK_M=plan.block_m, BLOCK_N=BF16_BLOCK_N, num_warps=num_warps or 4, **meta)
     merge_m = 16

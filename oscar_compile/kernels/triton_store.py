@@ -31,9 +31,31 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fragment_order
 from .checks import check_store
 
 LAST_LAUNCH: dict = {}  # the compiled kernel of the latest call (register/spill reports in benchmarks)
+
+
+@triton.jit
+def _fragment_byte(slot, e, sc_s, D: tl.constexpr, KIND: tl.constexpr):
+    """Byte offset (from the page's first row of this head) of byte ``e = 8 blk + r`` of row ``slot`` in
+    fragment order: the byte of base channel ``32 blk + r`` (:mod:`.fragment_order`; KIND 0 keys, 1 values)."""
+    blk = e // 8
+    r = e % 8
+    s = slot % 16
+    hi = s // 8
+    if KIND == 0:  # slot 8 hi + g, channel 64 c64 + 32 j2 + 2 t + half (+ 8 j0 + 16 j1 within the byte)
+        g = s % 8
+        t = r // 2
+        half = r % 2
+    else:  # slot 8 hi + 2 t + half, channel 64 c64 + 32 j2 + g
+        g = r
+        t = (s % 8) // 2
+        half = s % 2
+    word = (4 * g + t) * (D // 32) + hi * (D // 64) + blk // 2
+    row = slot - s + word // (D // 16)
+    return row * sc_s + (word % (D // 16)) * 4 + 2 * half + blk % 2
 
 
 @triton.jit
@@ -41,7 +63,7 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
                     sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
                     clip_lo, clip_frac, MAX_PAGES, NUM_PAGES,
                     PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
-                    NG: tl.constexpr, HAS_CLIP: tl.constexpr):
+                    NG: tl.constexpr, HAS_CLIP: tl.constexpr, FRAG: tl.constexpr, KIND: tl.constexpr):
     """Quantize rows ``y [BLOCK_T, D]`` (fp32) where ``keep``; row r goes to quantized index ``qidx[r]``."""
     if tl.sum(keep.to(tl.int32), 0) > 0:  # most decode steps quantize nothing (the token goes to the ring)
         # Before clipping (the GPU's min/max drop NaN): x - x is 0 only for finite x.
@@ -78,9 +100,14 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
         inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
         c = tl.floor((yg - mn[:, :, None]) * inv[:, :, None] + 0.5)
         c = tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.int32)
-        c = tl.reshape(c, (BLOCK_T, 4, D // 4))
-        shifts = (tl.arange(0, 4) * 2)[None, :, None]
-        packed = tl.sum(c << shifts, axis=1).to(tl.uint8)  # bits are disjoint: sum == or
+        if FRAG:  # byte e = 8 blk + r holds channels 32 blk + r + 8 q at bits 2q (fragment_order.py)
+            c = tl.reshape(c, (BLOCK_T, D // 32, 4, 8))
+            shifts = (tl.arange(0, 4) * 2)[None, None, :, None]
+            packed = tl.reshape(tl.sum(c << shifts, axis=2), (BLOCK_T, D // 4)).to(tl.uint8)
+        else:  # quartered: byte i holds channels i + q d/4 at bits 2q
+            c = tl.reshape(c, (BLOCK_T, 4, D // 4))
+            shifts = (tl.arange(0, 4) * 2)[None, :, None]
+            packed = tl.sum(c << shifts, axis=1).to(tl.uint8)  # bits are disjoint: sum == or
 
         logical = qidx // PS
         ok = keep & (qidx >= 0) & (logical < MAX_PAGES)
@@ -89,7 +116,11 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
         page = tl.where(ok, page, 0).to(tl.int64)
         slot = tl.where(ok, qidx % PS, 0).to(tl.int64)
         d4 = tl.arange(0, D // 4)[None, :]
-        tl.store(codes_ptr + page[:, None] * sc_p + slot[:, None] * sc_s + h * sc_h + d4, packed, mask=ok[:, None])
+        if FRAG:
+            byte_off = _fragment_byte(slot[:, None], d4, sc_s, D, KIND)
+            tl.store(codes_ptr + page[:, None] * sc_p + h * sc_h + byte_off, packed, mask=ok[:, None])
+        else:
+            tl.store(codes_ptr + page[:, None] * sc_p + slot[:, None] * sc_s + h * sc_h + d4, packed, mask=ok[:, None])
         g = tl.arange(0, NG)[None, :]
         mbase = meta_ptr + page[:, None] * sm_p + slot[:, None] * sm_s + h * sm_h
         tl.store(mbase + g, tl.where(finite[:, None], scale, float("nan")).to(meta_ty), mask=ok[:, None])
@@ -103,7 +134,7 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
                 sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
                 so_b, so_t, so_h, clip_lo, clip_frac, S, W, MAX_PAGES, NUM_PAGES,
                 PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, HAS_CLIP: tl.constexpr,
-                HAS_RING: tl.constexpr):
+                HAS_RING: tl.constexpr, FRAG: tl.constexpr, KIND: tl.constexpr):
     col = tl.arange(0, D)
     D4: tl.constexpr = D // 4
     c4 = tl.arange(0, D4)
@@ -138,7 +169,7 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
         old = tl.load(ring_row, mask=evict[:, None], other=0.0).to(tl.float32)
         _quantize_store(old, evict, q - S, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
                         sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, MAX_PAGES, NUM_PAGES,
-                        PS, BLOCK_T, D, NG, HAS_CLIP)
+                        PS, BLOCK_T, D, NG, HAS_CLIP, FRAG, KIND)
         tl.debug_barrier()
         tl.store(ring_row, yc, mask=ring_final[:, None])
         to_page = valid & (p >= S) & ~ring_final
@@ -146,7 +177,7 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
         to_page = valid & (p >= S)
     _quantize_store(y, to_page, p - S, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
                     sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, MAX_PAGES, NUM_PAGES,
-                    PS, BLOCK_T, D, NG, HAS_CLIP)
+                    PS, BLOCK_T, D, NG, HAS_CLIP, FRAG, KIND)
 
 
 # Per-call sizes and per-layer clip indices are not specialised (no recompiles on new prompt lengths).
@@ -158,7 +189,7 @@ def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                   sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h,
                   kclip_lo, kclip_frac, vclip_lo, vclip_frac, S, W, MAX_PAGES, NUM_PAGES, NH,
                   PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
-                  K_CLIP: tl.constexpr, V_CLIP: tl.constexpr, HAS_RING: tl.constexpr):
+                  K_CLIP: tl.constexpr, V_CLIP: tl.constexpr, HAS_RING: tl.constexpr, FRAG: tl.constexpr):
     # Keys and values in separate programs (grid axis 2 = side * NH + head): a decode step has one
     # token, so at small batch each program's serial chain is the latency.
     b = tl.program_id(0).to(tl.int64)  # k/v of a large batch pass 2^31 elements
@@ -173,12 +204,12 @@ def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
         _store_side(k_ptr, sk_b, sk_h, sk_t, ak_ptr, muk_ptr, kout_ptr, kc_ptr, km_ptr, ks_ptr, kr_ptr, bt_ptr,
                     b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
                     ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, kclip_lo, kclip_frac, S, W, MAX_PAGES,
-                    NUM_PAGES, PS, BLOCK_T, D, NG, K_CLIP, HAS_RING)
+                    NUM_PAGES, PS, BLOCK_T, D, NG, K_CLIP, HAS_RING, FRAG, 0)
     else:
         _store_side(v_ptr, sv_b, sv_h, sv_t, av_ptr, muv_ptr, vout_ptr, vc_ptr, vm_ptr, vs_ptr, vr_ptr, bt_ptr,
                     b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
                     ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, vclip_lo, vclip_frac, S, W, MAX_PAGES,
-                    NUM_PAGES, PS, BLOCK_T, D, NG, V_CLIP, HAS_RING)
+                    NUM_PAGES, PS, BLOCK_T, D, NG, V_CLIP, HAS_RING, FRAG, 1)
 
 
 def _clip_args(ratio: float, d: int) -> tuple[int, float, bool]:
@@ -224,6 +255,6 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
         k_out.stride(0), k_out.stride(1), k_out.stride(2), kl, kf, vl, vf, geo.num_sinks, geo.window, geo.max_pages,
         geo.num_pages, h,
         PS=geo.page_size, BLOCK_T=block_t, D=d, NG=geo.num_groups, K_CLIP=kc, V_CLIP=vc, HAS_RING=geo.window > 0,
-        num_warps=warps,
+        FRAG=fragment_order.in_fragment_order(k_codes), num_warps=warps,
     )
     return k_out, v_out

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from oscar_compile import PagedInt2KVCache
+from oscar_compile.kernels import fragment_order
 from oscar_compile.kernels.attention import attention_reference
 from oscar_compile.kernels.store import store_reference
 from oscar_compile.kernels.checks import CacheGeometry
@@ -49,8 +50,9 @@ def _assert_same_cache(ref: PagedInt2KVCache, got: PagedInt2KVCache):
     for a, b in ((lr.k_sink, lg.k_sink), (lr.v_sink, lg.v_sink), (lr.k_ring, lg.k_ring), (lr.v_ring, lg.v_ring)):
         torch.testing.assert_close(b.float(), a.float(), rtol=rtol, atol=atol)
     g = ref.group_size
-    for codes_r, meta_r, codes_g, meta_g in ((lr.k_codes, lr.k_meta, lg.k_codes, lg.k_meta),
-                                             (lr.v_codes, lr.v_meta, lg.v_codes, lg.v_meta)):
+    for kind, codes_r, meta_r, codes_g, meta_g in (("k", lr.k_codes, lr.k_meta, lg.k_codes, lg.k_meta),
+                                                   ("v", lr.v_codes, lr.v_meta, lg.v_codes, lg.v_meta)):
+        codes_r, codes_g = fragment_order.logical_pool(codes_r, kind), fragment_order.logical_pool(codes_g, kind)
         # (scale, min) follow the rows: a one-ulp row difference at a row's extreme moves them as much
         close = torch.isclose(meta_g.float(), meta_r.float(), rtol=1e-2, atol=1e-3)
         assert close.float().mean() >= 0.995, f"{1 - close.float().mean():.4f} of (scale, min) differ"
@@ -242,12 +244,49 @@ def test_full_shapes_gpu(d, gqa):
 def test_page_region_with_two_warps_gpu(d):
     # 2-warp page programs, forced at a small batch and chosen by the default at a batch that fills the GPU
     _run_case(h=8, gqa=4, d=d, lengths=(700, 129), s=64, w=256, ps=16, decode_steps=3, clip=0.95,
-              kind="invertible", dtype=torch.bfloat16, seed=d, page_warps=2)
+              kind="invertible", dtype=torch.bfloat16, seed=d, page_warps=2, page_kernel="triton")
     rows = torch.cuda.get_device_properties(0).multi_processor_count // 8 + 1
     lengths = tuple(random.Random(d).randint(1, 600) for _ in range(rows))
     _run_case(h=8, gqa=4, d=d, lengths=lengths, s=64, w=256, ps=16, decode_steps=2, clip=0.95,
-              kind="invertible", dtype=torch.bfloat16, seed=d + 1)
+              kind="invertible", dtype=torch.bfloat16, seed=d + 1, page_kernel="triton")
     assert LAST_LAUNCH["attention"].metadata.num_warps == 2  # the last decode step took the 2-warp default
+
+
+def test_pages_in_fragment_order_small():
+    # page size 16: the store writes fragment order and the Triton kernel gathers it (d = 64 and 128)
+    _run_case(h=1, gqa=4, d=64, lengths=(70, 33), s=3, w=5, ps=16, decode_steps=2, clip=0.9, kind="invertible", seed=11)
+    _run_case(h=1, gqa=2, d=128, lengths=(40,), s=0, w=0, ps=32, decode_steps=1, group=64, seed=12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("page_kernel", ["gluon", "triton"])
+def test_decode_page_kernels_gpu(gqa, page_kernel):
+    # the Gluon decode kernel (forced: an error if it does not take the decode steps) and the Triton one,
+    # over pages in fragment order, odd lengths, padding, a row with no page keys yet
+    _run_case(h=8, gqa=gqa, d=128, lengths=(1000, 333, 77, 5000), s=64, w=256, ps=16, decode_steps=3, clip=0.95,
+              kind="invertible", dtype=torch.bfloat16, seed=gqa, page_kernel=page_kernel)
+    assert LAST_LAUNCH["plan"].page_kernel == page_kernel
+
+
+@pytest.mark.gpu
+def test_gluon_decode_with_bool_mask_and_page_size_32_gpu():
+    gen = torch.Generator().manual_seed(3)
+    h, gqa, d = 8, 4, 128
+    ref, _ = twin_caches(h, d, 3, 2200, 64, 256, 32, None, torch.bfloat16, "invertible", 0.95, 3, device=DEV)
+    lengths = (2100, 400, 1)
+    t = max(lengths)
+    pos = torch.stack([torch.where(torch.arange(t) < n, torch.arange(t), -1) for n in lengths]).to(DEV)
+    k, v = (torch.randn(3, h, t, d, generator=gen).to(DEV, torch.bfloat16) for _ in range(2))
+    store_reference(*ref.store_args(0, k, v, pos))
+    q1 = torch.randn(3, h * gqa, 1, d, generator=gen).to(DEV, torch.bfloat16)
+    p1 = torch.tensor(lengths, device=DEV)[:, None] - 1
+    keep = torch.rand(3, h * gqa, 1, 2200, generator=gen) > 0.3  # per head: the mask is read per query head
+    keep[..., 0] = True
+    a = ref.attention_args(0, q1, p1, p1[:, 0] + 1, keep.to(DEV), True)
+    out = attention_triton(*a, page_kernel="gluon")
+    assert LAST_LAUNCH["plan"].page_kernel == "gluon"
+    assert rel_error(out, attention_reference(*a)) < ATTN_TOL
 
 
 def test_page_region_warps_default():

@@ -1,0 +1,141 @@
+"""The byte order of INT2 codes inside a page: tensor-core fragment order (DESIGN.md section 3).
+
+The logical format of a cache row is "quartered" (:func:`oscar_compile.quant.pack_int2`). Inside a
+page, the code pools store the codes of each KV head in *fragment order* instead, chosen so that the
+decode kernel (:mod:`.gluon_decode`) reads them with one 16-byte load per thread that already holds
+exactly the codes of its ``mma.m16n8k16`` operand fragments, unpacked in registers with no shuffle:
+
+* Pages are cut into groups of 16 slots. For one KV head, the 16 rows of a group (``d/16`` 32-bit words
+  each) are read as ``16 d/16`` consecutive words: lane ``L`` of a warp owns words ``L d/32 ...
+  (L + 1) d/32 - 1`` (word ``a`` is row ``a // (d/16)``, word ``a % (d/16)`` of that row).
+* Lane ``L = 4 g + t``, its word ``wi = hi (d/64) + c64`` (``c64 = channel // 64``), bit ``16 half +
+  2 jj`` of that word, with ``jj = 4 j2 + 2 j1 + j0``, holds the code of
+    - keys (the MMA's A operand, keys x channels):  slot ``8 hi + g``,           channel ``64 c64 + 32 j2 + 16 j1 + 8 j0 + 2 t + half``;
+    - values (the A operand of O^T = V^T P^T, channels x keys): slot ``8 hi + 2 t + half``, channel ``64 c64 + 32 j2 + 16 j1 + 8 j0 + g``.
+
+So in both, a byte holds four codes of one slot (channels ``b, b + 8, b + 16, b + 24`` at bits 0, 2, 4,
+6), a key owns whole words and a value whole 16-bit halves: a token is written without touching any
+other token's bits. Scales and minimums keep the logical layout (one pair per slot).
+
+This module is the one definition of the permutation: the reference ops read and write pages through
+:func:`read_codes` / :func:`write_codes`, the Triton store kernel and both attention kernels compute
+the same addresses, and ``tests/kernels/test_fragment_order.py`` checks it against the logical format.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+GROUP = 16  # slots per fragment group (the MMA's 16 rows)
+
+
+def supported(head_dim: int, page_size: int) -> bool:
+    """Whether a cache of this geometry can hold fragment order (else it keeps the logical order)."""
+    return head_dim % 64 == 0 and page_size % GROUP == 0
+
+
+@functools.lru_cache(maxsize=16)
+def _tables(kind: str, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(flat byte index in the group block [GROUP rows x d/4 bytes], bit shift)`` of every
+    ``(slot, channel)``, each ``[GROUP, d]`` (CPU, int64)."""
+    assert kind in ("k", "v") and d % 64 == 0
+    words_per_row, words_per_lane, blocks = d // 16, d // 32, d // 64
+    flat = torch.empty(GROUP, d, dtype=torch.int64)
+    shift = torch.empty(GROUP, d, dtype=torch.int64)
+    for g in range(8):
+        for t in range(4):
+            lane = 4 * g + t
+            for hi in range(2):
+                for c64 in range(blocks):
+                    word = lane * words_per_lane + hi * blocks + c64
+                    row, col = divmod(word, words_per_row)
+                    for jj in range(8):
+                        j2, j1, j0 = jj >> 2, (jj >> 1) & 1, jj & 1
+                        for half in range(2):
+                            bit = 16 * half + 2 * jj
+                            if kind == "k":
+                                slot, ch = 8 * hi + g, 64 * c64 + 32 * j2 + 16 * j1 + 8 * j0 + 2 * t + half
+                            else:
+                                slot, ch = 8 * hi + 2 * t + half, 64 * c64 + 32 * j2 + 16 * j1 + 8 * j0 + g
+                            flat[slot, ch] = row * (d // 4) + col * 4 + bit // 8
+                            shift[slot, ch] = bit % 8
+    return flat, shift
+
+
+def _locate(kind: str, d: int, slots: torch.Tensor, device):
+    """Per slot (any shape ``[N]``): (group's first slot ``[N]``, row offset ``[N, d]``, byte ``[N, d]``, shift ``[N, d]``)."""
+    flat, shift = _tables(kind, d)
+    flat, shift = flat.to(device), shift.to(device)
+    s = slots % GROUP
+    f = flat[s]
+    return slots - s, f // (d // 4), f % (d // 4), shift[s]
+
+
+def read_codes(codes: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, kind: str) -> torch.Tensor:
+    """Codes (0..3, uint8) of cache rows ``(pages[i], slots[i])``: ``[N, H, d]`` from a pool in fragment order."""
+    _, _, h, q = codes.shape
+    d = 4 * q
+    base, row, byte, shift = _locate(kind, d, slots.long(), codes.device)
+    heads = torch.arange(h, device=codes.device)
+    raw = codes[pages.long()[:, None, None], (base[:, None] + row)[:, None, :], heads[None, :, None], byte[:, None, :]]
+    return (raw >> shift[:, None, :].to(torch.uint8)) & 3
+
+
+def write_codes(codes: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, kind: str) -> None:
+    """Write codes ``values`` (``[N, H, d]``, 0..3) of rows ``(pages[i], slots[i])`` into a pool in fragment order.
+
+    Every byte of the pool belongs to one slot, so the bytes of a row are assembled whole and stored;
+    no other row's codes are read or changed. Rows must be distinct.
+    """
+    n, h, d = values.shape
+    if n == 0:
+        return
+    base, row, byte, shift = _locate(kind, d, slots.long(), codes.device)
+    # the d/4 bytes of each row: scatter the d codes (shifted) onto their byte index, sum == bitwise or
+    key = row * (d // 4) + byte  # [N, d], d/4 distinct values per row
+    order = torch.argsort(key, dim=1, stable=True)
+    key_sorted = torch.gather(key, 1, order)[:, ::4]  # [N, d/4]: each byte appears for 4 channels
+    slot_of = torch.argsort(order, dim=1) // 4  # channel -> its byte's index among the row's d/4 bytes
+    packed = torch.zeros(n, h, d // 4, dtype=torch.int32, device=codes.device)
+    packed.scatter_add_(2, slot_of[:, None, :].expand(n, h, d), values.to(torch.int32) << shift[:, None, :].to(torch.int32))
+    heads = torch.arange(h, device=codes.device)
+    rows = (base[:, None] + key_sorted // (d // 4))[:, None, :]
+    codes[pages.long()[:, None, None], rows, heads[None, :, None], (key_sorted % (d // 4))[:, None, :]] = packed.to(torch.uint8)
+
+
+def in_fragment_order(codes: torch.Tensor) -> bool:
+    """Whether a code pool ``[num_pages, page_size, H, d/4]`` holds fragment order (its geometry allows
+    it); pools of other geometries (head_dim 80 or 96, pages of 8 tokens) keep the logical order."""
+    return supported(4 * codes.shape[-1], codes.shape[1])
+
+
+def read_rows(codes: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, kind: str) -> torch.Tensor:
+    """Logical (quartered) packed rows ``[*pages.shape, H, d/4]`` of cache rows ``(pages, slots)``."""
+    if not in_fragment_order(codes):
+        return codes[pages, slots]
+    from ..quant import pack_int2
+
+    flat = read_codes(codes, pages.reshape(-1), slots.expand_as(pages).reshape(-1), kind)
+    return pack_int2(flat).view(*pages.shape, codes.shape[2], codes.shape[3])
+
+
+def write_rows(codes: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, packed: torch.Tensor, kind: str) -> None:
+    """Write logical (quartered) packed rows ``packed [N, H, d/4]`` to cache rows ``(pages[i], slots[i])``."""
+    if not in_fragment_order(codes):
+        codes[pages, slots] = packed
+        return
+    from ..quant import unpack_int2
+
+    write_codes(codes, pages, slots, unpack_int2(packed), kind)
+
+
+def logical_pool(codes: torch.Tensor, kind: str) -> torch.Tensor:
+    """A whole code pool in the logical (quartered) order (a copy; tests and tools)."""
+    if not in_fragment_order(codes):
+        return codes.clone()
+    n, ps = codes.shape[:2]
+    pages = torch.arange(n, device=codes.device).repeat_interleave(ps)
+    slots = torch.arange(ps, device=codes.device).repeat(n)
+    return read_rows(codes, pages, slots, kind).view(codes.shape)

@@ -1,0 +1,237 @@
+"""Gluon decode kernel of the INT2 page region (sm_80+, head_dim 128, GQA group <= 8, one query a row).
+
+It replaces the page-region launch of :mod:`.triton_attention` for decode steps; the query rotation,
+the BF16 keys (sinks, ring, chunk) and the merge stay there, and this kernel writes the same partial
+softmax state (``m``, ``l``, unnormalised ``o`` per split). The PyTorch reference stays the oracle.
+
+Design (issue 16; TurboMind's and Marlin's ideas, our code):
+
+* **Keys and values on the MMA's large side.** ``S^T = K Q^T`` with 16 keys on ``mma.m16n8k16``'s M
+  side and the GQA group's query heads on N = 8, then ``O^T = V^T P^T`` with channels on M: a group of
+  4 heads wastes half of N instead of 3/4 of M.
+* **Fragment-ordered codes** (:mod:`.fragment_order`): each thread loads 16 bytes a 16-key tile that
+  are exactly its A-operand fragment; unpacking happens in registers and the layout conversion that
+  assembles the operand moves no data (``convert_layout(..., assert_trivial=True)``).
+* **Magic-number unpack**: ``lop3`` puts a code pair into the mantissas of ``1024`` (fp16x2), one
+  ``fma`` makes it exact (codes at bit offset ``2k`` come out as ``1024 + 4^k c``): two instructions per
+  pair of codes, plus one shift per word.
+* **Scale and minimum outside the MMA** (one pair per row): ``s = scale (c . q) + min sum(q)`` and
+  ``O += (P scale) c + sum(P min)``; the MMAs run on raw codes 0..3.
+* **One warp, one stream of keys**: every warp runs its own online softmax over its own tiles (no
+  barrier in the loop); the warps of a program combine once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+
+def _unpack_asm() -> str:
+    """PTX: one word -> its 16 codes as fp16, output ``2 jj + half`` = bits ``16 half + 2 jj``."""
+    scale = {0: 0x3C00, 1: 0x3400, 2: 0x2C00, 3: 0x2400}  # 4^-k in fp16
+    offset = {0: 0xE400, 1: 0xDC00, 2: 0xD400, 3: 0xCC00}  # -1024 * 4^-k
+    lines = ["{", ".reg .b32 t, s, f, o;", "shr.b32 s, $16, 8;"]
+    for jj in range(8):
+        k = jj % 4
+        src = "$16" if jj < 4 else "s"
+        mask = 0x00030003 << (2 * k)
+        lines += [f"lop3.b32 t, {src}, {mask:#010x}, 0x64006400, 0xea;",
+                  f"mov.b32 f, {scale[k] * 0x10001:#010x};", f"mov.b32 o, {offset[k] * 0x10001:#010x};",
+                  "fma.rn.f16x2 t, t, f, o;", f"mov.b32 {{${2 * jj}, ${2 * jj + 1}}}, t;"]
+    return "\n".join(lines + ["}"])
+
+
+UNPACK_ASM = gl.constexpr(_unpack_asm())
+UNPACK_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 16 + ["r"]))
+
+
+@gluon.jit
+def _unpack(words, NW: gl.constexpr, NT: gl.constexpr, KIND: gl.constexpr, A_OP: gl.constexpr):
+    """Words ``[NT * NW, 128]`` (tile row ``nt NW + w``, word ``4 lane + wi``) -> the A operand of the keys
+    ``[NW, NT 16, 128]`` (KIND 0) or of the values ``[NW, 128, NT 16]`` (KIND 1), codes 0..3 in fp16."""
+    w5 = gl.reshape(words, [NT, NW, 8, 4, 4])  # nt, w, g, t, wi
+    o = gl.inline_asm_elementwise(UNPACK_ASM, UNPACK_CONSTRAINTS, [w5], dtype=(gl.float16,) * 16, is_pure=True,
+                                  pack=1)
+    # join appends a minor dim: (half), then j0, j1, j2
+    x0 = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])), gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
+    x1 = gl.join(gl.join(gl.join(o[8], o[9]), gl.join(o[10], o[11])),
+                 gl.join(gl.join(o[12], o[13]), gl.join(o[14], o[15])))
+    x = gl.join(x0, x1)  # [NT, NW, 8, 4, 4, half, j0, j1, j2]
+    x = gl.reshape(x, [NT, NW, 8, 4, 2, 2, 2, 2, 2, 2])  # wi -> (hi, c64)
+    # dims: 0 nt, 1 w, 2 g, 3 t, 4 hi, 5 c64, 6 half, 7 j0, 8 j1, 9 j2
+    if KIND == 0:  # keys: slot (nt, hi, g), channel (c64, j2, j1, j0, t, half)
+        x = gl.permute(x, [1, 0, 4, 2, 5, 9, 8, 7, 3, 6])
+        x = gl.reshape(x, [NW, NT * 16, 128])
+    else:  # values: channel (c64, j2, j1, j0, g), slot (nt, hi, t, half)
+        x = gl.permute(x, [1, 5, 9, 8, 7, 2, 0, 4, 3, 6])
+        x = gl.reshape(x, [NW, 128, NT * 16])
+    return gl.convert_layout(x, A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _meta_pair(m):
+    """An int32 (scale | min << 16, fp16 each) -> (scale, min) in fp32."""
+    sc = (m & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+    mn = (m >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+    return sc, mn
+
+
+@gluon.jit
+def _load_block(j0, hi, S, b, h, bt_ptr, sbt_b, kc_ptr, vc_ptr, km_ptr, vm_ptr, sc_p, sc_s, sm_p, sm_s,
+                wr, word_in_group, key_in_block, D: gl.constexpr, PS: gl.constexpr):
+    """Codes (words ``[NT NW, 128]``) and metadata (``[NW, NT 16]`` int32) of the block of keys at ``j0``."""
+    tj = j0 + wr * 16  # tile row r starts at key j0 + 16 r
+    tok = tj < hi
+    tq = gl.where(tok, tj - S, 0)
+    tpage = gl.load(bt_ptr + b * sbt_b + tq // PS, mask=tok, other=0).to(gl.int64)
+    tpage = gl.where(tpage >= 0, tpage, 0)
+    waddr = gl.expand_dims(tpage * sc_p + (tq % PS) * sc_s + h * (D // 16), 1) + word_in_group
+    kwords = gl.load(kc_ptr + waddr, mask=gl.expand_dims(tok, 1), other=0)
+    vwords = gl.load(vc_ptr + waddr, mask=gl.expand_dims(tok, 1), other=0)
+    key = j0 + key_in_block
+    kok = key < hi
+    kq = gl.where(kok, key - S, 0)
+    kpage = gl.load(bt_ptr + b * sbt_b + kq // PS, mask=kok, other=0).to(gl.int64)
+    kpage = gl.where(kpage >= 0, kpage, 0)
+    moff = kpage * sm_p + (kq % PS) * sm_s + h
+    kmeta = gl.load(km_ptr + moff, mask=kok, other=0)
+    vmeta = gl.load(vm_ptr + moff, mask=kok, other=0)
+    return kwords, vwords, kmeta, vmeta
+
+
+@gluon.jit
+def _page_decode_kernel(
+    qq_ptr, pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, kc_ptr, km_ptr, vc_ptr, vm_ptr, bt_ptr, sbt_b,
+    sc_p, sc_s, sm_p, sm_s, mask_ptr, smk_b, smk_h, smk_j, mask_len,
+    part_m_ptr, part_l_ptr, part_o_ptr, keys_per_split, S, W, NS,
+    H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, PS: gl.constexpr, NW: gl.constexpr, NT: gl.constexpr,
+    HAS_CHUNK: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr,
+):
+    """One split of one (row, KV head): keys ``[S + split * keys_per_split, ...)`` of the page region.
+
+    ``kc_ptr``/``vc_ptr``: the code pools as int32 words (fragment order); ``km_ptr``/``vm_ptr``: the
+    metadata as int32 (scale | min << 16); strides in those units. ``qq``: the rotated, scaled queries
+    ``[B H G, D]`` fp16 (row ``pid_bh G + n``).
+    """
+    gl.static_assert(D == 128)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
+    A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    KEYS: gl.constexpr = gl.SliceLayout(2, MMA)  # [NW, NT 16]
+    HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [NW, 8]
+    WL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])  # [NT NW, 128] words
+    QL: gl.constexpr = gl.BlockedLayout([1, 4, 1], [1, 4, 8], [NW, 1, 1], [1, 2, 0])  # [NW, D, 8]
+    BLOCK: gl.constexpr = NW * NT * 16
+
+    pid_bh = gl.program_id(0)
+    b = (pid_bh // H).to(gl.int64)
+    h = pid_bh % H
+    split = gl.program_id(1)
+    length = gl.load(len_ptr + b * sl_b).to(gl.int64)
+    if HAS_CHUNK:
+        c0 = gl.load(c0_ptr + b).to(gl.int64)
+    else:
+        c0 = length
+    page_end = gl.maximum(gl.minimum(length - W, c0), S)
+    lo = S + split * keys_per_split
+    hi = gl.minimum(lo + keys_per_split, page_end)
+
+    # the query heads of this KV head as the B operand (Q^T, D x 8; heads >= G are zero), once
+    qn = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, QL)))
+    qc = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, QL)))
+    qw = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, QL)))
+    qoff = (pid_bh * G + gl.expand_dims(gl.expand_dims(qn, 0), 1)) * D + gl.expand_dims(gl.expand_dims(qc, 0), 2) \
+        + gl.expand_dims(gl.expand_dims(qw, 1), 2) * 0
+    qmask = (gl.expand_dims(gl.expand_dims(qn, 0), 1) < G) & (qoff >= 0)
+    q = gl.load(qq_ptr + qoff, mask=qmask, other=0.0)
+    q_op = gl.convert_layout(q, B_OP)
+    qsum = gl.convert_layout(gl.sum(q.to(gl.float32), axis=1), HEADS)  # [NW, 8]
+
+    # index tensors: words [NT NW, 128] and keys [NW, NT 16]
+    wr = gl.arange(0, NT * NW, layout=gl.SliceLayout(1, WL))
+    wc = gl.arange(0, 128, layout=gl.SliceLayout(0, WL))
+    word_in_group = gl.expand_dims((wc // (D // 16)) * sc_s + wc % (D // 16), 0)
+    kw_ = gl.arange(0, NW, layout=gl.SliceLayout(1, KEYS))
+    kk = gl.arange(0, NT * 16, layout=gl.SliceLayout(0, KEYS))
+    key_in_block = (gl.expand_dims(kk // 16, 0) * NW + gl.expand_dims(kw_, 1)) * 16 + gl.expand_dims(kk % 16, 0)
+    heads = gl.arange(0, 8, layout=gl.SliceLayout(0, HEADS))
+
+    if IS_CAUSAL:  # a decode query sees keys up to its own position (all page keys, but for odd positions)
+        row_pos = gl.load(pos_ptr + b * sp_b).to(gl.int64)
+    else:
+        row_pos = page_end
+
+    m_i = gl.full([NW, 8], float("-inf"), gl.float32, HEADS)
+    l_acc = gl.zeros([NW, NT * 16, 8], gl.float32, MMA)
+    pm_acc = gl.zeros([NW, NT * 16, 8], gl.float32, MMA)
+    o = gl.zeros([NW, D, 8], gl.float32, MMA)
+    # software pipelined by hand: block i+1's codes and metadata are loaded before block i is computed
+    kwords, vwords, kmeta, vmeta = _load_block(lo, hi, S, b, h, bt_ptr, sbt_b, kc_ptr, vc_ptr, km_ptr, vm_ptr,
+                                               sc_p, sc_s, sm_p, sm_s, wr, word_in_group, key_in_block, D, PS)
+    for j0 in range(lo, hi, BLOCK):
+        kw_n, vw_n, km_n, vm_n = _load_block(j0 + BLOCK, hi, S, b, h, bt_ptr, sbt_b, kc_ptr, vc_ptr, km_ptr, vm_ptr,
+                                             sc_p, sc_s, sm_p, sm_s, wr, word_in_group, key_in_block, D, PS)
+        key = j0 + key_in_block
+        kok = (key < hi) & (key <= row_pos)
+        ksc, kmn = _meta_pair(kmeta)
+        vsc, vmn = _meta_pair(vmeta)
+
+        k_op = _unpack(kwords, NW, NT, 0, A_OP)
+        s = mma_v2(k_op, q_op, gl.zeros([NW, NT * 16, 8], gl.float32, MMA))
+        s = s * gl.expand_dims(ksc, 2) + gl.expand_dims(kmn, 2) * gl.expand_dims(qsum, 1)
+        vis = gl.expand_dims(kok, 2)
+        if MASK_KIND == 1:
+            key3 = gl.expand_dims(key, 2)
+            in_mask = key3 < mask_len
+            mptr = mask_ptr + b * smk_b + (h * G + gl.expand_dims(gl.expand_dims(heads, 0), 1)) * smk_h \
+                + gl.where(in_mask, key3, 0) * smk_j
+            hmask = gl.expand_dims(gl.expand_dims(heads, 0), 1) < G
+            mv = gl.load(mptr, mask=vis & in_mask & hmask, other=0)
+            vis = vis & in_mask & (mv != 0)
+        s = gl.where(vis, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.expand_dims(gl.exp2(m_i - m_safe), 1)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        l_acc = l_acc * alpha + p
+        pm_acc = pm_acc * alpha + gl.where(vis, p * gl.expand_dims(vmn, 2), 0.0)
+        pv = gl.where(vis, p * gl.expand_dims(vsc, 2), 0.0).to(gl.float16)
+        v_op = _unpack(vwords, NW, NT, 1, A_OP)
+        o = mma_v2(v_op, gl.convert_layout(pv, B_OP), o * alpha)
+        m_i = m_new
+        kwords, vwords, kmeta, vmeta = kw_n, vw_n, km_n, vm_n
+
+    # combine the warps, then write this split's partial state (rotated basis, channel order)
+    o = o + gl.expand_dims(gl.sum(pm_acc, axis=1), 1)
+    l_w = gl.sum(l_acc, axis=1)
+    m_all = gl.max(m_i, axis=0)
+    m_all_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
+    wgt = gl.exp2(m_i - gl.expand_dims(m_all_safe, 0))  # [NW, 8]
+    l_all = gl.sum(l_w * wgt, axis=0)
+    o_all = gl.sum(o * gl.expand_dims(wgt, 1), axis=0)  # [D, 8]
+    base = (pid_bh * G + heads) * NS + split
+    gl.store(part_m_ptr + base, m_all, mask=heads < G)
+    gl.store(part_l_ptr + base, l_all, mask=heads < G)
+    OL: gl.constexpr = gl.SliceLayout(0, MMA)
+    on = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))
+    oc = gl.arange(0, D, layout=gl.SliceLayout(1, OL))
+    obase = (pid_bh * G + on) * NS + split
+    gl.store(part_o_ptr + gl.expand_dims(obase, 0) * D + gl.expand_dims(oc, 1), o_all,
+             mask=gl.expand_dims(on < G, 0) & gl.expand_dims(oc >= 0, 1))
+
+
+def launch_pages(grid, qq, pos, lens, c0, kw, km, vw, vm, block_table, mask, mask_strides, mask_len, part_m, part_l,
+                 part_o, keys_per_split, S, W, NS, H, G, D, PS, has_chunk, mask_kind, is_causal, num_warps=4, tiles=1):
+    """Launch :func:`_page_decode_kernel` (arguments as the Triton page region's; pools as int32 views)."""
+    return _page_decode_kernel[grid](
+        qq, pos, pos.stride(0), lens, lens.stride(0), c0, kw, km, vw, vm, block_table, block_table.stride(0),
+        kw.stride(0), kw.stride(1), km.stride(0), km.stride(1),
+        mask, mask_strides[0], mask_strides[1], mask_strides[3], mask_len,
+        part_m, part_l, part_o, keys_per_split, S, W, NS,
+        H=H, G=G, D=D, PS=PS, NW=num_warps, NT=tiles, HAS_CHUNK=has_chunk, MASK_KIND=mask_kind,
+        IS_CAUSAL=bool(is_causal), num_warps=num_warps,
+    )
