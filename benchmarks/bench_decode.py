@@ -88,9 +88,14 @@ def kernel_breakdown(fn, n=20) -> dict:
                       and "fill" not in e.name.lower()), key=lambda e: e.time_range.start)
     out: dict = {}
     split_launches = 0
-    for e in kernels:  # the page and BF16 launches share a kernel name: they alternate within a call
+    gluon = any(e.name == "_page_decode_kernel" for e in kernels)
+    for e in kernels:  # the Triton page and BF16 launches share a kernel name: they alternate within a call
         name = e.name[:48]
-        if e.name == "_attn_kernel":
+        if e.name == "_page_decode_kernel":
+            name = "pages (gluon)"
+        elif e.name == "_attn_kernel" and gluon:
+            name = "bf16_keys"
+        elif e.name == "_attn_kernel":
             name = "pages" if split_launches % 2 == 0 else "bf16_keys"
             split_launches += 1
         out[name] = out.get(name, 0.0) + e.time_range.elapsed_us() / n

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the decode-attention benchmark; results land in $OUT (or /tmp/oscar-gpu).
-# Usage: bash benchmarks/gpu_session.sh [store|tests|bench|probe|e2e|fuzz|ncu|ncusrc]...   (default: tests bench)
+# Usage: bash benchmarks/gpu_session.sh [gluon|store|tests|fuzz|testsfuzz|bench|probe|e2e|ncu|ncusrc]...   (default: tests bench)
 #   store: Triton store vs reference, per dtype/clip/path; probe: per-kernel profile + PROBE_CONFIGS (JSON list)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/oscar-gpu}
@@ -12,6 +12,10 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 for step in "${@:-tests bench}"; do for s in $step; do
   echo "=== $s ($(date +%T))"
   case $s in
+    gluon) timeout 150 python3 benchmarks/check_gluon_decode.py --configs "${GLUON_CONFIGS:-[{\"warps\": 4, \"tiles\": 1}]}" \
+             --out "$OUT/gluon_decode_h200.json" 2>&1 | grep -v "Warn\|warn_once" | grep -v "check case.*ok$" | tee "$OUT/gluon.log" ;;
+    testsfuzz) bash "$0" tests > "$OUT/tests_step.log" 2>&1 & bash "$0" fuzz > "$OUT/fuzz_step.log" 2>&1; wait
+           tail -25 "$OUT/tests_step.log"; tail -30 "$OUT/fuzz_step.log" ;;
     store) timeout 90 python3 benchmarks/check_store_gpu.py 2>&1 | tee "$OUT/store.log" ;;
     probe) timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/bench_decode.py --profile --no-store --name decode_probe --out "$OUT" \
              --configs "${PROBE_CONFIGS:-$DEFAULT_PROBE}" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | tee "$OUT/probe.log" ;;

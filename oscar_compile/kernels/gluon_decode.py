@@ -82,7 +82,8 @@ def _meta_pair(m):
 
 @gluon.jit
 def _load_block(j0, hi, S, b, h, bt_ptr, sbt_b, kc_ptr, vc_ptr, km_ptr, vm_ptr, sc_p, sc_s, sm_p, sm_s,
-                wr, word_in_group, key_in_block, D: gl.constexpr, PS: gl.constexpr):
+                wr, word_in_group, key_in_block, D: gl.constexpr, PS: gl.constexpr, NT: gl.constexpr,
+                KEYS: gl.constexpr):
     """Codes (words ``[NT NW, 128]``) and metadata (``[NW, NT 16]`` int32) of the block of keys at ``j0``."""
     tj = j0 + wr * 16  # tile row r starts at key j0 + 16 r
     tok = tj < hi
@@ -95,8 +96,11 @@ def _load_block(j0, hi, S, b, h, bt_ptr, sbt_b, kc_ptr, vc_ptr, km_ptr, vm_ptr, 
     key = j0 + key_in_block
     kok = key < hi
     kq = gl.where(kok, key - S, 0)
-    kpage = gl.load(bt_ptr + b * sbt_b + kq // PS, mask=kok, other=0).to(gl.int64)
-    kpage = gl.where(kpage >= 0, kpage, 0)
+    if NT == 1:  # warp w's keys are tile w's: its page is already loaded (no second block-table load)
+        kpage = gl.expand_dims(gl.convert_layout(tpage, gl.SliceLayout(1, KEYS)), 1)
+    else:
+        kpage = gl.load(bt_ptr + b * sbt_b + kq // PS, mask=kok, other=0).to(gl.int64)
+        kpage = gl.where(kpage >= 0, kpage, 0)
     moff = kpage * sm_p + (kq % PS) * sm_s + h
     kmeta = gl.load(km_ptr + moff, mask=kok, other=0)
     vmeta = gl.load(vm_ptr + moff, mask=kok, other=0)
@@ -171,10 +175,10 @@ def _page_decode_kernel(
     o = gl.zeros([NW, D, 8], gl.float32, MMA)
     # software pipelined by hand: block i+1's codes and metadata are loaded before block i is computed
     kwords, vwords, kmeta, vmeta = _load_block(lo, hi, S, b, h, bt_ptr, sbt_b, kc_ptr, vc_ptr, km_ptr, vm_ptr,
-                                               sc_p, sc_s, sm_p, sm_s, wr, word_in_group, key_in_block, D, PS)
+                                               sc_p, sc_s, sm_p, sm_s, wr, word_in_group, key_in_block, D, PS, NT, KEYS)
     for j0 in range(lo, hi, BLOCK):
         kw_n, vw_n, km_n, vm_n = _load_block(j0 + BLOCK, hi, S, b, h, bt_ptr, sbt_b, kc_ptr, vc_ptr, km_ptr, vm_ptr,
-                                             sc_p, sc_s, sm_p, sm_s, wr, word_in_group, key_in_block, D, PS)
+                                             sc_p, sc_s, sm_p, sm_s, wr, word_in_group, key_in_block, D, PS, NT, KEYS)
         key = j0 + key_in_block
         kok = (key < hi) & (key <= row_pos)
         ksc, kmn = _meta_pair(kmeta)
