@@ -174,9 +174,16 @@ def main():
     ap.add_argument("--configs", default='[{"warps": 4, "tiles": 2}]')
     ap.add_argument("--shapes", default="1x4096,1x32768,1x131072,32x8192,64x4096,32x32768")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--check-dims", default="128,64,256")
     args = ap.parse_args()
     configs = json.loads(args.configs)
-    ok = check(configs)
+    global D
+    ok = True
+    for d in map(int, args.check_dims.split(",")):  # exactness at every head_dim the kernel takes
+        D = d
+        print(f"head_dim {d}")
+        ok &= check(configs if d == 128 else configs[:1])
+    D = 128
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else []
     rows = bench(configs, shapes, torch.cuda.get_device_properties(0).multi_processor_count)
     if args.out:

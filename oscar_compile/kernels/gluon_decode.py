@@ -1,4 +1,4 @@
-"""Gluon decode kernel of the INT2 page region (sm_80+, head_dim 128, GQA group <= 8, one query a row).
+"""Gluon decode kernel of the INT2 page region (sm_80+, head_dim 64/128/256, GQA group <= 8, one query a row).
 
 It replaces the page-region launch of :mod:`.triton_attention` for decode steps; the query rotation,
 the BF16 keys (sinks, ring, chunk) and the merge stay there, and this kernel writes the same partial
@@ -50,25 +50,26 @@ UNPACK_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 16 + ["r"]))
 
 
 @gluon.jit
-def _unpack(words, NW: gl.constexpr, NT: gl.constexpr, KIND: gl.constexpr, A_OP: gl.constexpr):
-    """Words ``[NT * NW, 128]`` (tile row ``nt NW + w``, word ``4 lane + wi``) -> the A operand of the keys
-    ``[NW, NT 16, 128]`` (KIND 0) or of the values ``[NW, 128, NT 16]`` (KIND 1), codes 0..3 in fp16."""
-    w5 = gl.reshape(words, [NT, NW, 8, 4, 4])  # nt, w, g, t, wi
+def _unpack(words, NW: gl.constexpr, NT: gl.constexpr, D: gl.constexpr, KIND: gl.constexpr, A_OP: gl.constexpr):
+    """Words ``[NT * NW, D]`` (tile row ``nt NW + w``, word ``lane d/32 + wi``) -> the A operand of the keys
+    ``[NW, NT 16, D]`` (KIND 0) or of the values ``[NW, D, NT 16]`` (KIND 1), codes 0..3 in fp16."""
+    C64: gl.constexpr = D // 64
+    w5 = gl.reshape(words, [NT, NW, 8, 4, 2 * C64])  # nt, w, g, t, wi = hi C64 + c64
     o = gl.inline_asm_elementwise(UNPACK_ASM, UNPACK_CONSTRAINTS, [w5], dtype=(gl.float16,) * 16, is_pure=True,
                                   pack=1)
     # join appends a minor dim: (half), then j0, j1, j2
     x0 = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])), gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
     x1 = gl.join(gl.join(gl.join(o[8], o[9]), gl.join(o[10], o[11])),
                  gl.join(gl.join(o[12], o[13]), gl.join(o[14], o[15])))
-    x = gl.join(x0, x1)  # [NT, NW, 8, 4, 4, half, j0, j1, j2]
-    x = gl.reshape(x, [NT, NW, 8, 4, 2, 2, 2, 2, 2, 2])  # wi -> (hi, c64)
+    x = gl.join(x0, x1)  # [NT, NW, 8, 4, 2 C64, half, j0, j1, j2]
+    x = gl.reshape(x, [NT, NW, 8, 4, 2, C64, 2, 2, 2, 2])  # wi -> (hi, c64)
     # dims: 0 nt, 1 w, 2 g, 3 t, 4 hi, 5 c64, 6 half, 7 j0, 8 j1, 9 j2
     if KIND == 0:  # keys: slot (nt, hi, g), channel (c64, j2, j1, j0, t, half)
         x = gl.permute(x, [1, 0, 4, 2, 5, 9, 8, 7, 3, 6])
-        x = gl.reshape(x, [NW, NT * 16, 128])
+        x = gl.reshape(x, [NW, NT * 16, D])
     else:  # values: channel (c64, j2, j1, j0, g), slot (nt, hi, t, half)
         x = gl.permute(x, [1, 5, 9, 8, 7, 2, 0, 4, 3, 6])
-        x = gl.reshape(x, [NW, 128, NT * 16])
+        x = gl.reshape(x, [NW, D, NT * 16])
     return gl.convert_layout(x, A_OP, assert_trivial=True)
 
 
@@ -84,7 +85,7 @@ def _meta_pair(m):
 def _load_block(j0, hi, S, b, h, bt_ptr, sbt_b, kc_ptr, vc_ptr, km_ptr, vm_ptr, sc_p, sc_s, sm_p, sm_s,
                 wr, word_in_group, key_in_block, D: gl.constexpr, PS: gl.constexpr, NT: gl.constexpr,
                 KEYS: gl.constexpr):
-    """Codes (words ``[NT NW, 128]``) and metadata (``[NW, NT 16]`` int32) of the block of keys at ``j0``."""
+    """Codes (words ``[NT NW, D]``) and metadata (``[NW, NT 16]`` int32) of the block of keys at ``j0``."""
     tj = j0 + wr * 16  # tile row r starts at key j0 + 16 r
     tok = tj < hi
     tq = gl.where(tok, tj - S, 0)
@@ -121,13 +122,13 @@ def _page_decode_kernel(
     metadata as int32 (scale | min << 16); strides in those units. ``qq``: the rotated, scaled queries
     ``[B H G, D]`` fp16 (row ``pid_bh G + n``).
     """
-    gl.static_assert(D == 128)
+    gl.static_assert(D == 64 or D == 128 or D == 256)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     KEYS: gl.constexpr = gl.SliceLayout(2, MMA)  # [NW, NT 16]
     HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [NW, 8]
-    WL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])  # [NT NW, 128] words
+    WL: gl.constexpr = gl.BlockedLayout([1, D // 32], [1, 32], [NW, 1], [1, 0])  # [NT NW, D] words
     QL: gl.constexpr = gl.BlockedLayout([1, 4, 1], [1, 4, 8], [NW, 1, 1], [1, 2, 0])  # [NW, D, 8]
     BLOCK: gl.constexpr = NW * NT * 16
 
@@ -155,9 +156,9 @@ def _page_decode_kernel(
     q_op = gl.convert_layout(q, B_OP)
     qsum = gl.convert_layout(gl.sum(q.to(gl.float32), axis=1), HEADS)  # [NW, 8]
 
-    # index tensors: words [NT NW, 128] and keys [NW, NT 16]
+    # index tensors: words [NT NW, D] and keys [NW, NT 16]
     wr = gl.arange(0, NT * NW, layout=gl.SliceLayout(1, WL))
-    wc = gl.arange(0, 128, layout=gl.SliceLayout(0, WL))
+    wc = gl.arange(0, D, layout=gl.SliceLayout(0, WL))
     word_in_group = gl.expand_dims((wc // (D // 16)) * sc_s + wc % (D // 16), 0)
     kw_ = gl.arange(0, NW, layout=gl.SliceLayout(1, KEYS))
     kk = gl.arange(0, NT * 16, layout=gl.SliceLayout(0, KEYS))
@@ -184,7 +185,7 @@ def _page_decode_kernel(
         ksc, kmn = _meta_pair(kmeta)
         vsc, vmn = _meta_pair(vmeta)
 
-        k_op = _unpack(kwords, NW, NT, 0, A_OP)
+        k_op = _unpack(kwords, NW, NT, D, 0, A_OP)
         s = mma_v2(k_op, q_op, gl.zeros([NW, NT * 16, 8], gl.float32, MMA))
         s = s * gl.expand_dims(ksc, 2) + gl.expand_dims(kmn, 2) * gl.expand_dims(qsum, 1)
         vis = gl.expand_dims(kok, 2)
@@ -204,7 +205,7 @@ def _page_decode_kernel(
         l_acc = l_acc * alpha + p
         pm_acc = pm_acc * alpha + gl.where(vis, p * gl.expand_dims(vmn, 2), 0.0)
         pv = gl.where(vis, p * gl.expand_dims(vsc, 2), 0.0).to(gl.float16)
-        v_op = _unpack(vwords, NW, NT, 1, A_OP)
+        v_op = _unpack(vwords, NW, NT, D, 1, A_OP)
         o = mma_v2(v_op, gl.convert_layout(pv, B_OP), o * alpha)
         m_i = m_new
         kwords, vwords, kmeta, vmeta = kw_n, vw_n, km_n, vm_n

@@ -134,9 +134,9 @@ def launch_variants(d: int) -> dict:
         f"query d={d}": lambda: compile_query(d=d, block_m=16),
         f"query prefill d={d}": lambda: compile_query(d=d, block_m=64),
         f"store d={d}": lambda: compile_store(d=d, clip=True),
-        **({"gluon decode d=128": lambda: compile_gluon_decode(d=128),
-            "gluon decode d=128, no mask, G=8": lambda: compile_gluon_decode(d=128, g=8, mask_kind=0, causal=False)}
-           if d == 128 else {}),
+        f"gluon decode d={d}": lambda: compile_gluon_decode(d=d),
+        **({"gluon decode d=128, no mask, G=8": lambda: compile_gluon_decode(d=128, g=8, mask_kind=0, causal=False),
+            "gluon decode d=128, 2 tiles": lambda: compile_gluon_decode(d=128, tiles=2)} if d == 128 else {}),
     }
 
 

@@ -593,14 +593,14 @@ def _gluon_decode():
 
 
 def choose_page_kernel(q, geo, k_codes, k_meta, t: int, mask_kind: int, dot_dtype, want: str | None = None) -> str:
-    """``"gluon"`` where the Gluon decode kernel takes this call (fragment-ordered pages, head_dim 128, a GQA
+    """``"gluon"`` where the Gluon decode kernel takes this call (fragment-ordered pages, head_dim 64/128/256, a GQA
     group of at most 8, one (scale, min) fp16 pair a row, one query token, no additive mask, sm_80+), else ``"triton"``."""
     want = want or PAGE_KERNEL
     if want == "triton" or q.device.type != "cuda" or _INTERPRET:
         return "triton"
     reasons = [why for bad, why in (
         (not fragment_order.in_fragment_order(k_codes), "pages not in fragment order"),
-        (geo.head_dim != 128, f"head_dim {geo.head_dim}"),
+        (geo.head_dim not in (64, 128, 256), f"head_dim {geo.head_dim}"),
         (q.shape[1] // geo.num_kv_heads > 8, "GQA group > 8"),
         (geo.num_groups != 1 or k_meta.dtype != torch.float16, "metadata not one fp16 pair a row"),
         (mask_kind == 2, "additive mask"),

@@ -259,12 +259,12 @@ def test_pages_in_fragment_order_small():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("d, gqa", [(128, 1), (128, 4), (128, 8), (64, 3), (256, 2)])
 @pytest.mark.parametrize("page_kernel", ["gluon", "triton"])
-def test_decode_page_kernels_gpu(gqa, page_kernel):
+def test_decode_page_kernels_gpu(d, gqa, page_kernel):
     # the Gluon decode kernel (forced: an error if it does not take the decode steps) and the Triton one,
     # over pages in fragment order, odd lengths, padding, a row with no page keys yet
-    _run_case(h=8, gqa=gqa, d=128, lengths=(1000, 333, 77, 5000), s=64, w=256, ps=16, decode_steps=3, clip=0.95,
+    _run_case(h=8, gqa=gqa, d=d, lengths=(1000, 333, 77, 5000), s=64, w=256, ps=16, decode_steps=3, clip=0.95,
               kind="invertible", dtype=torch.bfloat16, seed=gqa, page_kernel=page_kernel)
     assert LAST_LAUNCH["plan"].page_kernel == page_kernel
 
