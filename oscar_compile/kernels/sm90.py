@@ -71,11 +71,12 @@ def compile_attention(d=128, g=4, block_m=16, block_n=128, region=0, prefill=Fal
     return compile_sm90(_attn_kernel, const, ATTENTION_POINTERS, num_warps, num_stages, maxnreg)
 
 
-def compile_merge(d=128, g=4):
+def compile_merge(d=128, g=4, decode=False):
     from .triton_attention import _merge_kernel
 
-    return compile_sm90(_merge_kernel, dict(H=8, G=g, D=d, BLOCK_M=16, KC=min(d, 32), SB=max(1, 512 // d)),
-                        ATTENTION_POINTERS, num_stages=3)
+    return compile_sm90(_merge_kernel, dict(H=8, G=g, D=d, BLOCK_M=16, KC=min(d, 32),
+                                            SB=max(1, (1024 if decode else 512) // d)),
+                        ATTENTION_POINTERS, num_warps=8 if decode else 4, num_stages=3)
 
 
 def compile_query(d=128, g=4, block_m=16):
@@ -131,6 +132,7 @@ def launch_variants(d: int) -> dict:
         f"prefill pages d={d}": lambda: compile_attention(d=d, block_m=32, block_n=bn_pages, region=0, prefill=True),
         f"prefill bf16 keys d={d}": lambda: compile_attention(d=d, block_m=64, block_n=64, region=1, prefill=True),
         f"merge d={d}": lambda: compile_merge(d=d),
+        f"merge decode d={d}": lambda: compile_merge(d=d, decode=True),
         f"query d={d}": lambda: compile_query(d=d, block_m=16),
         f"query prefill d={d}": lambda: compile_query(d=d, block_m=64),
         f"store d={d}": lambda: compile_store(d=d, clip=True),
