@@ -36,10 +36,14 @@ STORE_POINTERS = {
 }
 
 
-def compile_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4, num_stages: int = 2, maxnreg=None):
-    """``fn`` (a ``@triton.jit`` kernel) compiled for sm_90; raises what the compiler raises."""
+def compile_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4, num_stages: int = 2, maxnreg=None,
+                 divisible=None):
+    """``fn`` (a ``@triton.jit`` or ``@gluon.jit`` kernel) compiled for sm_90; raises what the compiler raises.
+
+    ``divisible``: the integer arguments taken as multiples of 16 (default: every one but
+    :data:`NOT_DIVISIBLE` and those the kernel declares ``do_not_specialize``)."""
     names = fn.arg_names
-    unspecialised = {p.name for p in fn.params if p.do_not_specialize} | NOT_DIVISIBLE
+    unspecialised = {p.name for p in getattr(fn, "params", []) if p.do_not_specialize} | NOT_DIVISIBLE
     sig, attrs = {}, {}
     for i, n in enumerate(names):
         if n in constexprs:
@@ -51,10 +55,15 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4, num_s
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
-            if n not in unspecialised:
+            if (n in divisible) if divisible is not None else (n not in unspecialised):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                                    attrs=attrs)
+    constexprs = {(names.index(k),): v for k, v in constexprs.items()}
+    if type(fn).__module__.startswith("triton.experimental.gluon"):
+        from triton.experimental import gluon
+
+        src = gluon._runtime.GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    else:
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages)
     if maxnreg:
         options["maxnreg"] = maxnreg
@@ -96,31 +105,13 @@ def compile_store(d=128, ng=1, clip=True, frag=True):
 
 def compile_gluon_decode(d=128, g=4, mask_kind=1, causal=True, num_warps=None, tiles=None):
     """The Gluon decode kernel of the page region (:mod:`.gluon_decode`) for sm_90."""
-    from triton.experimental import gluon
-
     from . import triton_attention as ta
-    from .gluon_decode import _page_decode_kernel as fn
+    from .gluon_decode import _page_decode_kernel
 
     num_warps, tiles = num_warps or ta.GLUON_WARPS, tiles or ta.GLUON_TILES
     const = dict(H=8, G=g, D=d, PS=16, NW=num_warps, NT=tiles, HAS_CHUNK=True, MASK_KIND=mask_kind, IS_CAUSAL=causal)
-    pointers = {"qq_ptr": "*fp16", "pos_ptr": "*i64", "len_ptr": "*i64", "c0_ptr": "*i64", "kc_ptr": "*i32",
-                "km_ptr": "*i32", "vc_ptr": "*i32", "vm_ptr": "*i32", "bt_ptr": "*i32", "mask_ptr": "*u8",
-                "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_o_ptr": "*fp32"}
-    names = fn.arg_names
-    sig, attrs = {}, {}
-    for i, n in enumerate(names):
-        if n in const:
-            sig[n] = "constexpr"
-        elif n in pointers:
-            sig[n] = pointers[n]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[n] = "i32"
-            if n in ("sc_p", "sc_s", "sm_p", "sbt_b"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = gluon._runtime.GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                                        attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    pointers = dict(ATTENTION_POINTERS, km_ptr="*i32", vm_ptr="*i32", mask_ptr="*u8")  # metadata as (scale|min) words
+    return compile_sm90(_page_decode_kernel, const, pointers, num_warps, divisible={"sc_p", "sc_s", "sm_p", "sbt_b"})
 
 
 def launch_variants(d: int) -> dict:

@@ -581,6 +581,11 @@ def gluon_splits(batch: int, kv_heads: int, page_keys: int, sms: int) -> int:
     return int(max(1, min(want, most, 128)))
 
 
+@functools.lru_cache(maxsize=8)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 @functools.lru_cache(maxsize=1)
 def _gluon_decode():
     """The Gluon module, or None where this Triton has no Gluon (the Triton kernel then reads the pages)."""
@@ -606,7 +611,7 @@ def choose_page_kernel(q, geo, k_codes, k_meta, t: int, mask_kind: int, dot_dtyp
         (mask_kind == 2, "additive mask"),
         (t != 1, "more than one query token"),
         (dot_dtype != torch.float16, "bf16 dot"),
-        (torch.cuda.get_device_capability(q.device) < (8, 0), "GPU older than sm_80"),
+        (_capability(q.device.index or 0) < (8, 0), "GPU older than sm_80"),
     ) if bad]
     if not reasons and _gluon_decode() is None:
         reasons.append("no Gluon in this Triton")
