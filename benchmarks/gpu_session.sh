@@ -7,12 +7,13 @@ OUT=${OUT:-/tmp/oscar-gpu}
 mkdir -p "$OUT"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 DEFAULT_NCU='{};{"ablate": 1};{"ablate": 4}'  # NCU_CONFIGS: kernel options, ';'-separated
+DEFAULT_GLUON='[{"warps": 4, "tiles": 1}]'  # GLUON_CONFIGS: JSON list (a '}' inside ${VAR:-...} ends the expansion)
 DEFAULT_PROBE='[{"page_warps": 4}, {"page_warps": 2, "splits": 2.0}]'  # the old default; a candidate
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
 for step in "${@:-tests bench}"; do for s in $step; do
   echo "=== $s ($(date +%T))"
   case $s in
-    gluon) timeout 150 python3 benchmarks/check_gluon_decode.py --configs "${GLUON_CONFIGS:-[{\"warps\": 4, \"tiles\": 1}]}" \
+    gluon) timeout 150 python3 benchmarks/check_gluon_decode.py --configs "${GLUON_CONFIGS:-$DEFAULT_GLUON}" \
              --out "$OUT/gluon_decode_h200.json" 2>&1 | grep -v "Warn\|warn_once" | grep -v "check case.*ok$" | tee "$OUT/gluon.log" ;;
     testsfuzz) bash "$0" tests > "$OUT/tests_step.log" 2>&1 & bash "$0" fuzz > "$OUT/fuzz_step.log" 2>&1; wait
            tail -25 "$OUT/tests_step.log"; tail -30 "$OUT/fuzz_step.log" ;;
