@@ -565,8 +565,9 @@ class AttentionPlan:
 
 BF16_BLOCK_N = 64
 
-# The Gluon decode kernel: 4 warps of one 16-key tile each per block (measured on the H200 against 2 tiles
-# and 8 warps: fastest or within 10% at every shape of DESIGN.md section 6, results/gluon_decode_h200.json).
+# The Gluon decode kernel: 4 warps of one 16-key tile each per block. On the H200 (its first version, no
+# prefetch, results/gluon_decode_h200.json) this was fastest at 4 of the 6 shapes of DESIGN.md section 6;
+# 8 warps were 10% faster at 32 x 32K and 2 tiles 20% faster at 64 x 4K.
 GLUON_WARPS, GLUON_TILES = 4, 1
 GLUON_KEYS_PER_BLOCK = GLUON_WARPS * GLUON_TILES * 16
 # "auto": the Gluon kernel for the decode steps it takes, else "triton" everywhere (read once).
