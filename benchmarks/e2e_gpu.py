@@ -18,6 +18,7 @@ file barrier, then a file lock), so no timing shares the GPU or the CPU with a c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import time
@@ -129,7 +130,7 @@ def run_shape(model, name, batch, prompt, new, chunk, mode, label, opts, weights
     warm = ids[:, :min(2 * chunk, prompt)]
     timed_generate(model, warm, make_cache(model, opts, batch, max_len), 2, chunk)
     warm_s = time.perf_counter() - t0
-    with turn or _TimingTurn(None, (), None, None):
+    with turn or contextlib.nullcontext():
         torch.cuda.reset_peak_memory_stats()
         tokens, ttft, tps = timed_generate(model, ids, make_cache(model, opts, batch, max_len), new, chunk)
         peak = torch.cuda.max_memory_allocated()

@@ -64,10 +64,15 @@ def _tables(kind: str, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     return flat, shift
 
 
+@functools.lru_cache(maxsize=32)
+def _tables_on(kind: str, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    flat, shift = _tables(kind, d)
+    return flat.to(device), shift.to(device)
+
+
 def _locate(kind: str, d: int, slots: torch.Tensor, device):
     """Per slot (any shape ``[N]``): (group's first slot ``[N]``, row offset ``[N, d]``, byte ``[N, d]``, shift ``[N, d]``)."""
-    flat, shift = _tables(kind, d)
-    flat, shift = flat.to(device), shift.to(device)
+    flat, shift = _tables_on(kind, d, torch.device(device))
     s = slots % GROUP
     f = flat[s]
     return slots - s, f // (d // 4), f % (d // 4), shift[s]
@@ -92,17 +97,14 @@ def write_codes(codes: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, v
     n, h, d = values.shape
     if n == 0:
         return
-    base, row, byte, shift = _locate(kind, d, slots.long(), codes.device)
-    # the d/4 bytes of each row: scatter the d codes (shifted) onto their byte index, sum == bitwise or
-    key = row * (d // 4) + byte  # [N, d], d/4 distinct values per row
-    order = torch.argsort(key, dim=1, stable=True)
-    key_sorted = torch.gather(key, 1, order)[:, ::4]  # [N, d/4]: each byte appears for 4 channels
-    slot_of = torch.argsort(order, dim=1) // 4  # channel -> its byte's index among the row's d/4 bytes
-    packed = torch.zeros(n, h, d // 4, dtype=torch.int32, device=codes.device)
-    packed.scatter_add_(2, slot_of[:, None, :].expand(n, h, d), values.to(torch.int32) << shift[:, None, :].to(torch.int32))
+    # byte e = 8 blk + r of a row holds channels 32 blk + r + 8 q at bits 2q (as the Triton store packs it)
+    c = values.to(torch.uint8).view(n, h, d // 32, 4, 8)
+    packed = (c[:, :, :, 0] | c[:, :, :, 1] << 2 | c[:, :, :, 2] << 4 | c[:, :, :, 3] << 6).view(n, h, d // 4)
+    base_channel = (32 * torch.arange(d // 32)[:, None] + torch.arange(8)).view(-1)  # [d/4], byte e's channel
+    group, row, byte, _ = _locate(kind, d, slots.long(), codes.device)
+    row, byte = row[:, base_channel], byte[:, base_channel]  # where each of the row's d/4 bytes lives
     heads = torch.arange(h, device=codes.device)
-    rows = (base[:, None] + key_sorted // (d // 4))[:, None, :]
-    codes[pages.long()[:, None, None], rows, heads[None, :, None], (key_sorted % (d // 4))[:, None, :]] = packed.to(torch.uint8)
+    codes[pages.long()[:, None, None], (group[:, None] + row)[:, None, :], heads[None, :, None], byte[:, None, :]] = packed
 
 
 def in_fragment_order(codes: torch.Tensor) -> bool:

@@ -300,7 +300,7 @@ def _attn_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, PS: tl.constexpr, HAS_RING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_CHUNK: tl.constexpr, DT: tl.constexpr, KC: tl.constexpr, ALIGNED: tl.constexpr, ABLATE: tl.constexpr,
-    USE_ASM: tl.constexpr, REGION: tl.constexpr, FRAG: tl.constexpr = False,
+    USE_ASM: tl.constexpr, REGION: tl.constexpr, FRAG: tl.constexpr,
 ):
     """One split of one row block: REGION 0 = INT2 pages (splits ``0 .. NSPLIT-1``), 1 = BF16 keys
     (splits ``NSPLIT ..``). Two launches, so each region's code gets registers of its own.
@@ -509,13 +509,15 @@ def _as_words(codes: torch.Tensor) -> torch.Tensor:
                          f"(got shape {tuple(codes.shape)}, strides {codes.stride()}): {e}") from None
 
 
-def num_splits(batch: int, kv_heads: int, m_blocks: int, page_keys: int, block_n: int, sms: int) -> int:
-    """Splits of the page region so that even one long sequence fills the GPU's ``sms`` SMs (from shapes only)."""
+def num_splits(batch: int, kv_heads: int, m_blocks: int, page_keys: int, block_n: int, sms: int,
+               per_sm: int = 2) -> int:
+    """Splits of the page region so that even one long sequence fills the GPU's ``sms`` SMs with about
+    ``per_sm`` programs each (from shapes only)."""
     base = max(1, batch * kv_heads * m_blocks)
-    # About two programs per SM (two fit at ~250 registers). Four, the earlier choice, measured slower on
-    # the H200 (results/decode_attention_h200_probe.json, half the splits: 1 x 128K 181 vs 207 us,
-    # 1 x 32K 80 vs 87, 32 x 32K 1101 vs 1111, 64 x 4K 348 vs 344).
-    want = -(-2 * sms // base)
+    # Triton page kernel: about two programs per SM (two fit at ~250 registers). Four, the earlier choice,
+    # measured slower on the H200 (results/decode_attention_h200_probe.json, half the splits: 1 x 128K 181
+    # vs 207 us, 1 x 32K 80 vs 87, 32 x 32K 1101 vs 1111, 64 x 4K 348 vs 344).
+    want = -(-per_sm * sms // base)
     most = max(1, -(-page_keys // (4 * block_n)))  # at least four key blocks per split
     return int(max(1, min(want, most, 128)))
 
@@ -572,14 +574,6 @@ GLUON_WARPS, GLUON_TILES = 4, 1
 GLUON_KEYS_PER_BLOCK = GLUON_WARPS * GLUON_TILES * 16
 # "auto": the Gluon kernel for the decode steps it takes, else "triton" everywhere (read once).
 PAGE_KERNEL = os.environ.get("OSCAR_PAGE_KERNEL", "auto")
-
-
-def gluon_splits(batch: int, kv_heads: int, page_keys: int, sms: int) -> int:
-    """Key splits of the Gluon decode kernel: about four programs an SM (small programs of 4 warps and
-    ~100 registers; several are resident at once), at least four key blocks a split."""
-    want = -(-4 * sms // max(1, batch * kv_heads))
-    most = max(1, -(-page_keys // (4 * GLUON_KEYS_PER_BLOCK)))
-    return int(max(1, min(want, most, 128)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -649,7 +643,8 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
     if splits:
         nsplit = int(splits)
     elif page_kernel == "gluon":
-        nsplit = gluon_splits(b, h, page_keys, sms)
+        # smaller programs (4 warps, ~128 registers): about four an SM
+        nsplit = num_splits(b, h, 1, page_keys, GLUON_KEYS_PER_BLOCK, sms, per_sm=4)
     elif filled:
         nsplit = 1
     else:
