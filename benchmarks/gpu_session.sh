@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the decode-attention benchmark; results land in $OUT (or /tmp/oscar-gpu).
-# Usage: bash benchmarks/gpu_session.sh [gluon|store|tests|fuzz|testsfuzz|bench|probe|e2e|ncu|ncusrc]...   (default: tests bench)
+# Usage: bash benchmarks/gpu_session.sh [gluon|store|tests|fuzz|testsfuzz|bench|probe|e2e|ncu|ncusrc|ncug]...   (default: tests bench)
 #   store: Triton store vs reference, per dtype/clip/path; probe: per-kernel profile + PROBE_CONFIGS (JSON list)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/oscar-gpu}
@@ -13,7 +13,7 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 for step in "${@:-tests bench}"; do for s in $step; do
   echo "=== $s ($(date +%T))"
   case $s in
-    gluon) timeout 150 python3 benchmarks/check_gluon_decode.py --configs "${GLUON_CONFIGS:-$DEFAULT_GLUON}" \
+    gluon) timeout ${GLUON_TIMEOUT:-150} python3 benchmarks/check_gluon_decode.py --configs "${GLUON_CONFIGS:-$DEFAULT_GLUON}" \
              --out "$OUT/gluon_decode_h200.json" 2>&1 | grep -v "Warn\|warn_once" | grep -v "check case.*ok$" | tee "$OUT/gluon.log" ;;
     testsfuzz) bash "$0" tests > "$OUT/tests_step.log" 2>&1 & bash "$0" fuzz > "$OUT/fuzz_step.log" 2>&1; wait
            tail -25 "$OUT/tests_step.log"; tail -30 "$OUT/fuzz_step.log" ;;
@@ -37,6 +37,18 @@ for step in "${@:-tests bench}"; do for s in $step; do
              python3 benchmarks/ncu_pages.py --shapes $shape --configs "[$cfg]" >> "$OUT/ncu.txt" 2>&1
          done; done
          grep -E "profiled|==ERROR==|_attn_kernel|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|No Eligible|stalled_(long_scoreboard|short_scoreboard|mio_throttle|barrier|wait|math_pipe_throttle|lg_throttle|not_selected|dispatch_stall|no_instruction)|bank_conflicts" "$OUT/ncu.txt" | head -150 ;;
+    ncug) : > "$OUT/ncug.txt"  # the Gluon page kernel: one launch per attention call, the 2nd call's is profiled
+         for shape in ${NCU_SHAPES:-32x32768 1x131072}; do
+           PYTHONPATH=$PWD:$PWD/benchmarks timeout 100 "$NCU" --clock-control none --kernel-name _page_decode_kernel \
+             --launch-skip 1 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+             --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+             --section InstructionStats python3 benchmarks/ncu_pages.py --shapes $shape >> "$OUT/ncug.txt" 2>&1
+         done
+         grep -E "profiled|==ERROR==|_page_decode_kernel|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|Issue Slots Busy|No Eligible|Executed Ipc" "$OUT/ncug.txt" | head -60
+         PYTHONPATH=$PWD:$PWD/benchmarks timeout 150 "$NCU" --clock-control none --kernel-name _page_decode_kernel --launch-skip 1 \
+           --launch-count 1 --set full --import-source yes -o "$OUT/gpages" -f python3 benchmarks/ncu_pages.py --shapes 32x32768 > /dev/null 2>&1
+         "$NCU" -i "$OUT/gpages.ncu-rep" --page source --print-source sass --csv > "$OUT/gpages_sass.csv" 2>&1
+         python3 benchmarks/ncu_summary.py "$OUT/gpages_sass.csv" ;;
     ncusrc)  # per-SASS-instruction counters (shared-memory wavefronts, bank conflicts, stalls) of the page region at 32 x 32K
          PYTHONPATH=$PWD:$PWD/benchmarks timeout 150 "$NCU" --clock-control none --kernel-name _attn_kernel --launch-skip 2 \
            --launch-count 1 --set full --import-source yes -o "$OUT/pages" -f python3 benchmarks/ncu_pages.py --shapes 32x32768 --configs '[{}]'

@@ -30,8 +30,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 
-def _unpack_asm() -> str:
-    """PTX: one word -> its 16 codes as fp16, output ``2 jj + half`` = bits ``16 half + 2 jj``."""
+def _unpack_asm(subnormal: bool) -> str:
+    """PTX: one word -> its 16 codes as fp16 pairs, output ``2 jj + half`` = bits ``16 half + 2 jj``.
+
+    ``subnormal``: an AND leaves the code at bit offset ``2k`` of a half as the fp16 subnormal
+    ``4^k c 2^-24``, exact; the kernel folds ``4^-k`` into the query (keys) or the output rows (values) and
+    ``2^24`` into the scale. Otherwise (magic number): ``lop3`` gives ``1024 + 4^k c`` and one ``fma``
+    makes it ``c``, exact, at twice the instructions.
+    """
     scale = {0: 0x3C00, 1: 0x3400, 2: 0x2C00, 3: 0x2400}  # 4^-k in fp16
     offset = {0: 0xE400, 1: 0xDC00, 2: 0xD400, 3: 0xCC00}  # -1024 * 4^-k
     lines = ["{", ".reg .b32 t, s, f, o;", "shr.b32 s, $16, 8;"]
@@ -39,24 +45,36 @@ def _unpack_asm() -> str:
         k = jj % 4
         src = "$16" if jj < 4 else "s"
         mask = 0x00030003 << (2 * k)
-        lines += [f"lop3.b32 t, {src}, {mask:#010x}, 0x64006400, 0xea;",
-                  f"mov.b32 f, {scale[k] * 0x10001:#010x};", f"mov.b32 o, {offset[k] * 0x10001:#010x};",
-                  "fma.rn.f16x2 t, t, f, o;", f"mov.b32 {{${2 * jj}, ${2 * jj + 1}}}, t;"]
+        if subnormal:
+            lines += [f"and.b32 t, {src}, {mask:#010x};"]
+        else:
+            lines += [f"lop3.b32 t, {src}, {mask:#010x}, 0x64006400, 0xea;",
+                      f"mov.b32 f, {scale[k] * 0x10001:#010x};", f"mov.b32 o, {offset[k] * 0x10001:#010x};",
+                      "fma.rn.f16x2 t, t, f, o;"]
+        lines += [f"mov.b32 {{${2 * jj}, ${2 * jj + 1}}}, t;"]
     return "\n".join(lines + ["}"])
 
 
-UNPACK_ASM = gl.constexpr(_unpack_asm())
+UNPACK_ASM = gl.constexpr(_unpack_asm(False))
+UNPACK_ASM_SUBNORMAL = gl.constexpr(_unpack_asm(True))
 UNPACK_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 16 + ["r"]))
+SUBNORMAL_UNIT = gl.constexpr(2.0**24)  # 1 / the fp16 subnormal step
 
 
 @gluon.jit
-def _unpack(words, NW: gl.constexpr, NT: gl.constexpr, D: gl.constexpr, KIND: gl.constexpr, A_OP: gl.constexpr):
+def _unpack(words, NW: gl.constexpr, NT: gl.constexpr, D: gl.constexpr, KIND: gl.constexpr, A_OP: gl.constexpr,
+            SUBNORMAL: gl.constexpr):
     """Words ``[NT * NW, D]`` (tile row ``nt NW + w``, word ``lane d/32 + wi``) -> the A operand of the keys
-    ``[NW, NT 16, D]`` (KIND 0) or of the values ``[NW, D, NT 16]`` (KIND 1), codes 0..3 in fp16."""
+    ``[NW, NT 16, D]`` (KIND 0) or of the values ``[NW, D, NT 16]`` (KIND 1): codes 0..3 in fp16, or
+    ``4^k c 2^-24`` with ``k = (channel // 8) % 4`` if SUBNORMAL."""
     C64: gl.constexpr = D // 64
     w5 = gl.reshape(words, [NT, NW, 8, 4, 2 * C64])  # nt, w, g, t, wi = hi C64 + c64
-    o = gl.inline_asm_elementwise(UNPACK_ASM, UNPACK_CONSTRAINTS, [w5], dtype=(gl.float16,) * 16, is_pure=True,
-                                  pack=1)
+    if SUBNORMAL:
+        o = gl.inline_asm_elementwise(UNPACK_ASM_SUBNORMAL, UNPACK_CONSTRAINTS, [w5], dtype=(gl.float16,) * 16,
+                                      is_pure=True, pack=1)
+    else:
+        o = gl.inline_asm_elementwise(UNPACK_ASM, UNPACK_CONSTRAINTS, [w5], dtype=(gl.float16,) * 16, is_pure=True,
+                                      pack=1)
     # join appends a minor dim: (half), then j0, j1, j2
     x0 = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])), gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
     x1 = gl.join(gl.join(gl.join(o[8], o[9]), gl.join(o[10], o[11])),
@@ -74,6 +92,12 @@ def _unpack(words, NW: gl.constexpr, NT: gl.constexpr, D: gl.constexpr, KIND: gl
 
 
 @gluon.jit
+def _code_weight(channel):
+    """``4^-k`` for the channels ``channel``: a byte holds channels ``b, b+8, b+16, b+24`` at bits 0, 2, 4, 6."""
+    return gl.exp2(-2.0 * ((channel // 8) % 4).to(gl.float32))
+
+
+@gluon.jit
 def _meta_pair(m):
     """An int32 (scale | min << 16, fp16 each) -> (scale, min) in fp32."""
     sc = (m & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
@@ -82,27 +106,33 @@ def _meta_pair(m):
 
 
 @gluon.jit
-def _load_block(j0, hi, S, b, h, bt_ptr, sbt_b, kc_ptr, vc_ptr, km_ptr, vm_ptr, sc_p, sc_s, sm_p, sm_s,
-                wr, word_in_group, key_in_block, D: gl.constexpr, PS: gl.constexpr, NT: gl.constexpr,
-                KEYS: gl.constexpr):
-    """Codes (words ``[NT NW, D]``) and metadata (``[NW, NT 16]`` int32) of the block of keys at ``j0``."""
-    tj = j0 + wr * 16  # tile row r starts at key j0 + 16 r
+def _load_block(j0, hi, S, bt_row, kc_ptr, vc_ptr, km_ptr, vm_ptr, sc_p, sc_s, sm_p, sm_s, wr, word_in_group,
+                key_in_block, PS: gl.constexpr, NT: gl.constexpr, KEYS: gl.constexpr, WIDE: gl.constexpr):
+    """Codes (words ``[NT NW, D]``) and metadata (``[NW, NT 16]`` int32) of the block of keys at ``j0``.
+
+    Positions are int32 (a cache holds < 2^31 keys); page offsets are int32 unless a pool has 2^31
+    words or more (WIDE). The row's block table and the head's offset are in the base pointers.
+    """
+    tj = j0 + wr * 16  # tile row r starts at key j0 + 16 r (a multiple of 16 past S)
     tok = tj < hi
     tq = gl.where(tok, tj - S, 0)
-    tpage = gl.load(bt_ptr + b * sbt_b + tq // PS, mask=tok, other=0).to(gl.int64)
-    tpage = gl.where(tpage >= 0, tpage, 0)
-    waddr = gl.expand_dims(tpage * sc_p + (tq % PS) * sc_s + h * (D // 16), 1) + word_in_group
-    kwords = gl.load(kc_ptr + waddr, mask=gl.expand_dims(tok, 1), other=0)
-    vwords = gl.load(vc_ptr + waddr, mask=gl.expand_dims(tok, 1), other=0)
+    tpage = gl.maximum(gl.load(bt_row + tq // PS, mask=tok, other=0), 0)
+    if WIDE:
+        tpage = tpage.to(gl.int64)
+    waddr = gl.expand_dims(tpage * sc_p + (tq % PS) * sc_s, 1) + word_in_group
+    # no ``other``: any bits are valid codes, and keys past ``hi`` are masked out of S and P
+    kwords = gl.load(kc_ptr + waddr, mask=gl.expand_dims(tok, 1))
+    vwords = gl.load(vc_ptr + waddr, mask=gl.expand_dims(tok, 1))
     key = j0 + key_in_block
     kok = key < hi
     kq = gl.where(kok, key - S, 0)
     if NT == 1:  # warp w's keys are tile w's: its page is already loaded (no second block-table load)
         kpage = gl.expand_dims(gl.convert_layout(tpage, gl.SliceLayout(1, KEYS)), 1)
     else:
-        kpage = gl.load(bt_ptr + b * sbt_b + kq // PS, mask=kok, other=0).to(gl.int64)
-        kpage = gl.where(kpage >= 0, kpage, 0)
-    moff = kpage * sm_p + (kq % PS) * sm_s + h
+        kpage = gl.maximum(gl.load(bt_row + kq // PS, mask=kok, other=0), 0)
+        if WIDE:
+            kpage = kpage.to(gl.int64)
+    moff = kpage * sm_p + (kq % PS) * sm_s
     kmeta = gl.load(km_ptr + moff, mask=kok, other=0)
     vmeta = gl.load(vm_ptr + moff, mask=kok, other=0)
     return kwords, vwords, kmeta, vmeta
@@ -114,7 +144,8 @@ def _page_decode_kernel(
     sc_p, sc_s, sm_p, sm_s, mask_ptr, smk_b, smk_h, smk_j, mask_len,
     part_m_ptr, part_l_ptr, part_o_ptr, keys_per_split, S, W, NS,
     H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, PS: gl.constexpr, NW: gl.constexpr, NT: gl.constexpr,
-    HAS_CHUNK: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    HAS_CHUNK: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, SUBNORMAL: gl.constexpr,
+    WIDE: gl.constexpr,
 ):
     """One split of one (row, KV head): keys ``[S + split * keys_per_split, ...)`` of the page region.
 
@@ -136,9 +167,9 @@ def _page_decode_kernel(
     b = (pid_bh // H).to(gl.int64)
     h = pid_bh % H
     split = gl.program_id(1)
-    length = gl.load(len_ptr + b * sl_b).to(gl.int64)
+    length = gl.load(len_ptr + b * sl_b).to(gl.int32)
     if HAS_CHUNK:
-        c0 = gl.load(c0_ptr + b).to(gl.int64)
+        c0 = gl.load(c0_ptr + b).to(gl.int32)
     else:
         c0 = length
     page_end = gl.maximum(gl.minimum(length - W, c0), S)
@@ -153,8 +184,10 @@ def _page_decode_kernel(
         + gl.expand_dims(gl.expand_dims(qw, 1), 2) * 0
     qmask = (gl.expand_dims(gl.expand_dims(qn, 0), 1) < G) & (qoff >= 0)
     q = gl.load(qq_ptr + qoff, mask=qmask, other=0.0)
-    q_op = gl.convert_layout(q, B_OP)
     qsum = gl.convert_layout(gl.sum(q.to(gl.float32), axis=1), HEADS)  # [NW, 8]
+    if SUBNORMAL:  # channel c's codes come out as 4^k c 2^-24: the query takes the 4^-k (exact, a power of 2)
+        q = (q.to(gl.float32) * gl.expand_dims(gl.expand_dims(_code_weight(qc), 0), 2)).to(gl.float16)
+    q_op = gl.convert_layout(q, B_OP)
 
     # index tensors: words [NT NW, D] and keys [NW, NT 16]
     wr = gl.arange(0, NT * NW, layout=gl.SliceLayout(1, WL))
@@ -164,9 +197,12 @@ def _page_decode_kernel(
     kk = gl.arange(0, NT * 16, layout=gl.SliceLayout(0, KEYS))
     key_in_block = (gl.expand_dims(kk // 16, 0) * NW + gl.expand_dims(kw_, 1)) * 16 + gl.expand_dims(kk % 16, 0)
     heads = gl.arange(0, 8, layout=gl.SliceLayout(0, HEADS))
+    bt_row = bt_ptr + b * sbt_b
+    kc_h, vc_h = kc_ptr + h * (D // 16), vc_ptr + h * (D // 16)
+    km_h, vm_h = km_ptr + h, vm_ptr + h
 
     if IS_CAUSAL:  # a decode query sees keys up to its own position (all page keys, but for odd positions)
-        row_pos = gl.load(pos_ptr + b * sp_b).to(gl.int64)
+        row_pos = gl.load(pos_ptr + b * sp_b).to(gl.int32)
     else:
         row_pos = page_end
 
@@ -175,17 +211,19 @@ def _page_decode_kernel(
     pm_acc = gl.zeros([NW, NT * 16, 8], gl.float32, MMA)
     o = gl.zeros([NW, D, 8], gl.float32, MMA)
     # software pipelined by hand: block i+1's codes and metadata are loaded before block i is computed
-    kwords, vwords, kmeta, vmeta = _load_block(lo, hi, S, b, h, bt_ptr, sbt_b, kc_ptr, vc_ptr, km_ptr, vm_ptr,
-                                               sc_p, sc_s, sm_p, sm_s, wr, word_in_group, key_in_block, D, PS, NT, KEYS)
+    kwords, vwords, kmeta, vmeta = _load_block(lo, hi, S, bt_row, kc_h, vc_h, km_h, vm_h, sc_p, sc_s, sm_p, sm_s, wr,
+                                               word_in_group, key_in_block, PS, NT, KEYS, WIDE)
     for j0 in range(lo, hi, BLOCK):
-        kw_n, vw_n, km_n, vm_n = _load_block(j0 + BLOCK, hi, S, b, h, bt_ptr, sbt_b, kc_ptr, vc_ptr, km_ptr, vm_ptr,
-                                             sc_p, sc_s, sm_p, sm_s, wr, word_in_group, key_in_block, D, PS, NT, KEYS)
+        kw_n, vw_n, km_n, vm_n = _load_block(j0 + BLOCK, hi, S, bt_row, kc_h, vc_h, km_h, vm_h, sc_p, sc_s, sm_p, sm_s,
+                                             wr, word_in_group, key_in_block, PS, NT, KEYS, WIDE)
         key = j0 + key_in_block
         kok = (key < hi) & (key <= row_pos)
         ksc, kmn = _meta_pair(kmeta)
         vsc, vmn = _meta_pair(vmeta)
+        if SUBNORMAL:
+            ksc = ksc * SUBNORMAL_UNIT
 
-        k_op = _unpack(kwords, NW, NT, D, 0, A_OP)
+        k_op = _unpack(kwords, NW, NT, D, 0, A_OP, SUBNORMAL)
         s = mma_v2(k_op, q_op, gl.zeros([NW, NT * 16, 8], gl.float32, MMA))
         s = s * gl.expand_dims(ksc, 2) + gl.expand_dims(kmn, 2) * gl.expand_dims(qsum, 1)
         vis = gl.expand_dims(kok, 2)
@@ -205,12 +243,15 @@ def _page_decode_kernel(
         l_acc = l_acc * alpha + p
         pm_acc = pm_acc * alpha + gl.where(vis, p * gl.expand_dims(vmn, 2), 0.0)
         pv = gl.where(vis, p * gl.expand_dims(vsc, 2), 0.0).to(gl.float16)
-        v_op = _unpack(vwords, NW, NT, D, 1, A_OP)
+        v_op = _unpack(vwords, NW, NT, D, 1, A_OP, SUBNORMAL)
         o = mma_v2(v_op, gl.convert_layout(pv, B_OP), o * alpha)
         m_i = m_new
         kwords, vwords, kmeta, vmeta = kw_n, vw_n, km_n, vm_n
 
     # combine the warps, then write this split's partial state (rotated basis, channel order)
+    if SUBNORMAL:  # value channel c came out as 4^k c 2^-24
+        oc_ = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
+        o = o * gl.expand_dims(gl.expand_dims(_code_weight(oc_) * SUBNORMAL_UNIT, 0), 2)
     o = o + gl.expand_dims(gl.sum(pm_acc, axis=1), 1)
     l_w = gl.sum(l_acc, axis=1)
     m_all = gl.max(m_i, axis=0)
@@ -230,7 +271,8 @@ def _page_decode_kernel(
 
 
 def launch_pages(grid, qq, pos, lens, c0, kw, km, vw, vm, block_table, mask, mask_strides, mask_len, part_m, part_l,
-                 part_o, keys_per_split, S, W, NS, H, G, D, PS, has_chunk, mask_kind, is_causal, num_warps=4, tiles=1):
+                 part_o, keys_per_split, S, W, NS, H, G, D, PS, has_chunk, mask_kind, is_causal, num_warps=4, tiles=1,
+                 subnormal=True):
     """Launch :func:`_page_decode_kernel` (arguments as the Triton page region's; pools as int32 views)."""
     return _page_decode_kernel[grid](
         qq, pos, pos.stride(0), lens, lens.stride(0), c0, kw, km, vw, vm, block_table, block_table.stride(0),
@@ -238,5 +280,6 @@ def launch_pages(grid, qq, pos, lens, c0, kw, km, vw, vm, block_table, mask, mas
         mask, mask_strides[0], mask_strides[1], mask_strides[3], mask_len,
         part_m, part_l, part_o, keys_per_split, S, W, NS,
         H=H, G=G, D=D, PS=PS, NW=num_warps, NT=tiles, HAS_CHUNK=has_chunk, MASK_KIND=mask_kind,
-        IS_CAUSAL=bool(is_causal), num_warps=num_warps,
+        IS_CAUSAL=bool(is_causal), SUBNORMAL=bool(subnormal), WIDE=max(kw.numel(), km.numel()) >= 2**31,
+        num_warps=num_warps,
     )
