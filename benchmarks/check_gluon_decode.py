@@ -45,7 +45,7 @@ def make_case(b, lengths, sinks, window, seed=0, dev="cuda"):
     return dict(kc=kc, vc=vc, km=km, vm=vm, bt=bt, lens=lens, qq=qq, sinks=sinks, window=window)
 
 
-def run_kernel(case, splits, warps=4, tiles=2, mask=None, subnormal=True):
+def run_kernel(case, splits, warps=4, tiles=2, mask=None, subnormal=True, stages=1):
     b = case["bt"].shape[0]
     kps_unit = warps * tiles * 16
     page_keys = case["bt"].shape[1] * PS
@@ -64,7 +64,7 @@ def run_kernel(case, splits, warps=4, tiles=2, mask=None, subnormal=True):
         launch_pages((b * H, splits), case["qq"], lens[:, None] * 0 + 10**9, lens, lens, kw, km, vw, vm, case["bt"], mask_t, mstr,
                      mask.shape[-1] if mask is not None else 0, part_m, part_l, part_o, keys_per_split,
                      case["sinks"], case["window"], ns, H, G, D, PS, False, 1 if mask is not None else 0, False,
-                     num_warps=warps, tiles=tiles, subnormal=subnormal)
+                     num_warps=warps, tiles=tiles, subnormal=subnormal, stages=stages)
     return call, (part_m, part_l, part_o, ns)
 
 
@@ -114,7 +114,8 @@ def check(configs):
         ref = reference(case)
         for cfg in configs:
             for splits in (1, 3):
-                call, parts = run_kernel(case, splits, cfg["warps"], cfg["tiles"], subnormal=cfg.get("subnormal", True))
+                call, parts = run_kernel(case, splits, cfg["warps"], cfg["tiles"], subnormal=cfg.get("subnormal", True),
+                                         stages=cfg.get("stages", 1))
                 call()
                 out = combine(parts, b)
                 valid = ~torch.isnan(ref).any(-1)
@@ -127,7 +128,9 @@ def check(configs):
         mask = torch.ones(b, H * G, 1, max(lengths) + 8, dtype=torch.bool, device="cuda")
         mask[:, 1, :, ::3] = False
         ref_m = reference(case, mask)
-        call, parts = run_kernel(case, 2, 4, 1, mask=mask.view(torch.uint8))
+        cfg = configs[0]
+        call, parts = run_kernel(case, 2, cfg["warps"], cfg["tiles"], mask=mask.view(torch.uint8),
+                                 stages=cfg.get("stages", 1))
         call()
         out = combine(parts, b)
         valid = ~torch.isnan(ref_m).any(-1)
@@ -155,7 +158,8 @@ def bench(configs, shapes, sms):
             unit = cfg["warps"] * cfg["tiles"] * 16
             want = max(1, cfg.get("ctas_per_sm", 4) * sms // (b * H))
             splits = max(1, min(want, math.ceil((length - 320) / (4 * unit))))
-            call, _ = run_kernel(case, splits, cfg["warps"], cfg["tiles"], subnormal=cfg.get("subnormal", True))
+            call, _ = run_kernel(case, splits, cfg["warps"], cfg["tiles"], subnormal=cfg.get("subnormal", True),
+                                         stages=cfg.get("stages", 1))
             t = bench_graph(call)
             row = dict(batch=b, length=length, cfg=cfg, splits=splits, pages_us=t, sdpa_default_us=t_default,
                        sdpa_cudnn_us=t_cudnn, speedup_vs_fastest_bf16=best / t, pages_tbps=page_bytes / t / 1e6,

@@ -38,7 +38,7 @@ for step in "${@:-tests bench}"; do for s in $step; do
          done; done
          grep -E "profiled|==ERROR==|_attn_kernel|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|No Eligible|stalled_(long_scoreboard|short_scoreboard|mio_throttle|barrier|wait|math_pipe_throttle|lg_throttle|not_selected|dispatch_stall|no_instruction)|bank_conflicts" "$OUT/ncu.txt" | head -150 ;;
     ncug) : > "$OUT/ncug.txt"  # the Gluon page kernel: one launch per attention call, the 2nd call's is profiled
-         for shape in ${NCU_SHAPES:-32x32768 1x131072}; do
+         for shape in ${NCU_SHAPES:-32x32768 1x131072}; do  # the kernel as OSCAR_GLUON_CONFIG sets it
            PYTHONPATH=$PWD:$PWD/benchmarks timeout 100 "$NCU" --clock-control none --kernel-name _page_decode_kernel \
              --launch-skip 1 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
              --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \

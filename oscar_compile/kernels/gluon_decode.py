@@ -27,7 +27,10 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+# cp.async global -> shared: ``async_copy_global_to_shared`` in Triton 3.6, ``async_load`` from 3.7 on
+_copy_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 
 def _unpack_asm(subnormal: bool) -> str:
@@ -106,23 +109,33 @@ def _meta_pair(m):
 
 
 @gluon.jit
-def _load_block(j0, hi, S, bt_row, kc_ptr, vc_ptr, km_ptr, vm_ptr, sc_p, sc_s, sm_p, sm_s, wr, word_in_group,
-                key_in_block, PS: gl.constexpr, NT: gl.constexpr, KEYS: gl.constexpr, WIDE: gl.constexpr):
-    """Codes (words ``[NT NW, D]``) and metadata (``[NW, NT 16]`` int32) of the block of keys at ``j0``.
-
-    Positions are int32 (a cache holds < 2^31 keys); page offsets are int32 unless a pool has 2^31
-    words or more (WIDE). The row's block table and the head's offset are in the base pointers.
-    """
+def _tile_pages(j0, hi, S, bt_row, wr, PS: gl.constexpr):
+    """The page of each 16-key tile of the block at ``j0`` (0 past ``hi``), from the row's block table."""
     tj = j0 + wr * 16  # tile row r starts at key j0 + 16 r (a multiple of 16 past S)
     tok = tj < hi
+    return gl.maximum(gl.load(bt_row + gl.where(tok, tj - S, 0) // PS, mask=tok, other=0), 0)
+
+
+@gluon.jit
+def _code_offsets(j0, hi, S, tpage, sc_p, sc_s, wr, word_in_group, PS: gl.constexpr, WIDE: gl.constexpr):
+    """Word offsets ``[NT NW, D]`` of the codes of the block at ``j0`` in a pool, and which rows are keys.
+
+    ``tpage``: the tiles' pages (:func:`_tile_pages`, loaded a block earlier so that the code loads
+    do not wait for the block table). Positions are int32 (a cache holds < 2^31 keys); page offsets are
+    int32 unless a pool has 2^31 words or more (WIDE). The head's offset is in the base pointers.
+    """
+    tj = j0 + wr * 16
+    tok = tj < hi
     tq = gl.where(tok, tj - S, 0)
-    tpage = gl.maximum(gl.load(bt_row + tq // PS, mask=tok, other=0), 0)
     if WIDE:
         tpage = tpage.to(gl.int64)
-    waddr = gl.expand_dims(tpage * sc_p + (tq % PS) * sc_s, 1) + word_in_group
-    # no ``other``: any bits are valid codes, and keys past ``hi`` are masked out of S and P
-    kwords = gl.load(kc_ptr + waddr, mask=gl.expand_dims(tok, 1))
-    vwords = gl.load(vc_ptr + waddr, mask=gl.expand_dims(tok, 1))
+    return gl.expand_dims(tpage * sc_p + (tq % PS) * sc_s, 1) + word_in_group, gl.expand_dims(tok, 1)
+
+
+@gluon.jit
+def _load_meta(j0, hi, S, tpage, bt_row, km_ptr, vm_ptr, sm_p, sm_s, key_in_block, PS: gl.constexpr,
+               NT: gl.constexpr, KEYS: gl.constexpr, WIDE: gl.constexpr):
+    """The keys' and values' (scale | min) words ``[NW, NT 16]`` of the block at ``j0``."""
     key = j0 + key_in_block
     kok = key < hi
     kq = gl.where(kok, key - S, 0)
@@ -130,12 +143,10 @@ def _load_block(j0, hi, S, bt_row, kc_ptr, vc_ptr, km_ptr, vm_ptr, sc_p, sc_s, s
         kpage = gl.expand_dims(gl.convert_layout(tpage, gl.SliceLayout(1, KEYS)), 1)
     else:
         kpage = gl.maximum(gl.load(bt_row + kq // PS, mask=kok, other=0), 0)
-        if WIDE:
-            kpage = kpage.to(gl.int64)
+    if WIDE:
+        kpage = kpage.to(gl.int64)
     moff = kpage * sm_p + (kq % PS) * sm_s
-    kmeta = gl.load(km_ptr + moff, mask=kok, other=0)
-    vmeta = gl.load(vm_ptr + moff, mask=kok, other=0)
-    return kwords, vwords, kmeta, vmeta
+    return gl.load(km_ptr + moff, mask=kok, other=0), gl.load(vm_ptr + moff, mask=kok, other=0)
 
 
 @gluon.jit
@@ -145,7 +156,7 @@ def _page_decode_kernel(
     part_m_ptr, part_l_ptr, part_o_ptr, keys_per_split, S, W, NS,
     H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, PS: gl.constexpr, NW: gl.constexpr, NT: gl.constexpr,
     HAS_CHUNK: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, SUBNORMAL: gl.constexpr,
-    WIDE: gl.constexpr,
+    WIDE: gl.constexpr, STAGES: gl.constexpr,
 ):
     """One split of one (row, KV head): keys ``[S + split * keys_per_split, ...)`` of the page region.
 
@@ -210,12 +221,51 @@ def _page_decode_kernel(
     l_acc = gl.zeros([NW, NT * 16, 8], gl.float32, MMA)
     pm_acc = gl.zeros([NW, NT * 16, 8], gl.float32, MMA)
     o = gl.zeros([NW, D, 8], gl.float32, MMA)
-    # software pipelined by hand: block i+1's codes and metadata are loaded before block i is computed
-    kwords, vwords, kmeta, vmeta = _load_block(lo, hi, S, bt_row, kc_h, vc_h, km_h, vm_h, sc_p, sc_s, sm_p, sm_s, wr,
-                                               word_in_group, key_in_block, PS, NT, KEYS, WIDE)
+    # software pipelined by hand: block i+1's metadata (and codes, STAGES == 1) and block i+2's pages are
+    # loaded before block i is computed, so that no load waits for the block-table load it depends on;
+    # with STAGES > 1 the codes travel by cp.async through a ring of STAGES blocks in shared memory (each
+    # thread reads back only the bytes it copied itself)
+    tpage = _tile_pages(lo, hi, S, bt_row, wr, PS)
+    kmeta, vmeta = _load_meta(lo, hi, S, tpage, bt_row, km_h, vm_h, sm_p, sm_s, key_in_block, PS, NT, KEYS, WIDE)
+    tpage_n = _tile_pages(lo + BLOCK, hi, S, bt_row, wr, PS)
+    if STAGES == 1:
+        waddr, wok = _code_offsets(lo, hi, S, tpage, sc_p, sc_s, wr, word_in_group, PS, WIDE)
+        # no ``other``: any bits are valid codes, and keys past ``hi`` are masked out of S and P
+        kwords = gl.load(kc_h + waddr, mask=wok)
+        vwords = gl.load(vc_h + waddr, mask=wok)
+    else:
+        SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, NT * NW, D], SMEM)
+        vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, NT * NW, D], SMEM)
+        for st in gl.static_range(STAGES - 1):
+            j_st = lo + st * BLOCK
+            waddr, wok = _code_offsets(j_st, hi, S, _tile_pages(j_st, hi, S, bt_row, wr, PS), sc_p, sc_s, wr,
+                                       word_in_group, PS, WIDE)
+            _copy_to_shared(kbuf.index(st), kc_h + waddr, mask=wok)
+            _copy_to_shared(vbuf.index(st), vc_h + waddr, mask=wok)
+            async_copy.commit_group()
+        tpage_c = _tile_pages(lo + (STAGES - 1) * BLOCK, hi, S, bt_row, wr, PS)
+    it = 0
     for j0 in range(lo, hi, BLOCK):
-        kw_n, vw_n, km_n, vm_n = _load_block(j0 + BLOCK, hi, S, bt_row, kc_h, vc_h, km_h, vm_h, sc_p, sc_s, sm_p, sm_s,
-                                             wr, word_in_group, key_in_block, PS, NT, KEYS, WIDE)
+        tpage_nn = _tile_pages(j0 + 2 * BLOCK, hi, S, bt_row, wr, PS)
+        km_n, vm_n = _load_meta(j0 + BLOCK, hi, S, tpage_n, bt_row, km_h, vm_h, sm_p, sm_s, key_in_block, PS, NT, KEYS,
+                                WIDE)
+        if STAGES == 1:
+            waddr, wok = _code_offsets(j0 + BLOCK, hi, S, tpage_n, sc_p, sc_s, wr, word_in_group, PS, WIDE)
+            kw_n = gl.load(kc_h + waddr, mask=wok)
+            vw_n = gl.load(vc_h + waddr, mask=wok)
+        else:
+            tpage_cn = _tile_pages(j0 + STAGES * BLOCK, hi, S, bt_row, wr, PS)
+            waddr, wok = _code_offsets(j0 + (STAGES - 1) * BLOCK, hi, S, tpage_c, sc_p, sc_s, wr, word_in_group, PS,
+                                       WIDE)
+            st_in = (it + STAGES - 1) % STAGES
+            _copy_to_shared(kbuf.index(st_in), kc_h + waddr, mask=wok)
+            _copy_to_shared(vbuf.index(st_in), vc_h + waddr, mask=wok)
+            async_copy.commit_group()
+            async_copy.wait_group(STAGES - 1)  # block i has landed
+            kwords = kbuf.index(it % STAGES).load(WL)
+            vwords = vbuf.index(it % STAGES).load(WL)
+            tpage_c = tpage_cn
         key = j0 + key_in_block
         kok = (key < hi) & (key <= row_pos)
         ksc, kmn = _meta_pair(kmeta)
@@ -237,16 +287,34 @@ def _page_decode_kernel(
             vis = vis & in_mask & (mv != 0)
         s = gl.where(vis, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.expand_dims(gl.exp2(m_i - m_safe), 1)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-        l_acc = l_acc * alpha + p
-        pm_acc = pm_acc * alpha + gl.where(vis, p * gl.expand_dims(vmn, 2), 0.0)
-        pv = gl.where(vis, p * gl.expand_dims(vsc, 2), 0.0).to(gl.float16)
         v_op = _unpack(vwords, NW, NT, D, 1, A_OP, SUBNORMAL)
-        o = mma_v2(v_op, gl.convert_layout(pv, B_OP), o * alpha)
-        m_i = m_new
-        kwords, vwords, kmeta, vmeta = kw_n, vw_n, km_n, vm_n
+        if NW == 1:
+            # one warp a program: the state is rescaled only when some head's running max grew, which
+            # after the first blocks is rare (the test is a warp reduction, the branch warp-uniform)
+            if gl.max(gl.max((m_new > m_i).to(gl.int32), axis=1), axis=0) > 0:
+                alpha = gl.expand_dims(gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new)), 1)
+                l_acc = l_acc * alpha
+                pm_acc = pm_acc * alpha
+                o = o * alpha
+                m_i = m_new
+            p = gl.exp2(s - gl.expand_dims(gl.where(m_i == float("-inf"), 0.0, m_i), 1))
+            l_acc = l_acc + p
+            pm_acc = pm_acc + gl.where(vis, p * gl.expand_dims(vmn, 2), 0.0)
+            pv = gl.where(vis, p * gl.expand_dims(vsc, 2), 0.0).to(gl.float16)
+            o = mma_v2(v_op, gl.convert_layout(pv, B_OP), o)
+        else:
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.expand_dims(gl.exp2(m_i - m_safe), 1)
+            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+            l_acc = l_acc * alpha + p
+            pm_acc = pm_acc * alpha + gl.where(vis, p * gl.expand_dims(vmn, 2), 0.0)
+            pv = gl.where(vis, p * gl.expand_dims(vsc, 2), 0.0).to(gl.float16)
+            o = mma_v2(v_op, gl.convert_layout(pv, B_OP), o * alpha)
+            m_i = m_new
+        kmeta, vmeta, tpage_n = km_n, vm_n, tpage_nn
+        if STAGES == 1:
+            kwords, vwords = kw_n, vw_n
+        it += 1
 
     # combine the warps, then write this split's partial state (rotated basis, channel order)
     if SUBNORMAL:  # value channel c came out as 4^k c 2^-24
@@ -272,7 +340,7 @@ def _page_decode_kernel(
 
 def launch_pages(grid, qq, pos, lens, c0, kw, km, vw, vm, block_table, mask, mask_strides, mask_len, part_m, part_l,
                  part_o, keys_per_split, S, W, NS, H, G, D, PS, has_chunk, mask_kind, is_causal, num_warps=4, tiles=1,
-                 subnormal=True):
+                 subnormal=True, stages=1):
     """Launch :func:`_page_decode_kernel` (arguments as the Triton page region's; pools as int32 views)."""
     return _page_decode_kernel[grid](
         qq, pos, pos.stride(0), lens, lens.stride(0), c0, kw, km, vw, vm, block_table, block_table.stride(0),
@@ -281,5 +349,5 @@ def launch_pages(grid, qq, pos, lens, c0, kw, km, vw, vm, block_table, mask, mas
         part_m, part_l, part_o, keys_per_split, S, W, NS,
         H=H, G=G, D=D, PS=PS, NW=num_warps, NT=tiles, HAS_CHUNK=has_chunk, MASK_KIND=mask_kind,
         IS_CAUSAL=bool(is_causal), SUBNORMAL=bool(subnormal), WIDE=max(kw.numel(), km.numel()) >= 2**31,
-        num_warps=num_warps,
+        STAGES=stages, num_warps=num_warps,
     )

@@ -103,14 +103,15 @@ def compile_store(d=128, ng=1, clip=True, frag=True):
                         STORE_POINTERS, num_warps=8 if d >= 256 else 4, num_stages=3)
 
 
-def compile_gluon_decode(d=128, g=4, mask_kind=1, causal=True, num_warps=None, tiles=None, subnormal=True):
+def compile_gluon_decode(d=128, g=4, mask_kind=1, causal=True, num_warps=None, tiles=None, subnormal=True,
+                         stages=None):
     """The Gluon decode kernel of the page region (:mod:`.gluon_decode`) for sm_90."""
     from . import triton_attention as ta
     from .gluon_decode import _page_decode_kernel
 
-    num_warps, tiles = num_warps or ta.GLUON_WARPS, tiles or ta.GLUON_TILES
+    num_warps, tiles, stages = num_warps or ta.GLUON.warps, tiles or ta.GLUON.tiles, stages or ta.GLUON.stages
     const = dict(H=8, G=g, D=d, PS=16, NW=num_warps, NT=tiles, HAS_CHUNK=True, MASK_KIND=mask_kind, IS_CAUSAL=causal,
-                 SUBNORMAL=subnormal, WIDE=False)
+                 SUBNORMAL=subnormal, WIDE=False, STAGES=stages)
     pointers = dict(ATTENTION_POINTERS, km_ptr="*i32", vm_ptr="*i32", mask_ptr="*u8")  # metadata as (scale|min) words
     return compile_sm90(_page_decode_kernel, const, pointers, num_warps, divisible={"sc_p", "sc_s", "sm_p", "sbt_b"})
 

@@ -33,6 +33,7 @@ in place of the hand prefetch was measured slower on the H200 and removed
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -567,11 +568,30 @@ class AttentionPlan:
 
 BF16_BLOCK_N = 64
 
-# The Gluon decode kernel: 4 warps of one 16-key tile each per block. On the H200 (its first version, no
-# prefetch, results/gluon_decode_h200.json) this was fastest at 4 of the 6 shapes of DESIGN.md section 6;
-# 8 warps were 10% faster at 32 x 32K and 2 tiles 20% faster at 64 x 4K.
-GLUON_WARPS, GLUON_TILES = 4, 1
-GLUON_KEYS_PER_BLOCK = GLUON_WARPS * GLUON_TILES * 16
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """Launch shape of the Gluon decode kernel: warps a program, 16-key tiles a warp and block, code
+    blocks in flight (1: registers, one block ahead; 2/4/8: a cp.async ring in shared memory), and
+    about how many programs an SM gets (the split count)."""
+
+    warps: int = 1
+    tiles: int = 1
+    stages: int = 2
+    per_sm: int = 16
+
+    @property
+    def keys_per_block(self) -> int:
+        return self.warps * self.tiles * 16
+
+
+# H200 (results/gluon_decode_h200_pipeline.json, the kernel alone): one warp a program (its softmax state is
+# rescaled only when a running max grows), codes two blocks deep through shared memory, ~16 programs an SM
+# was fastest or within 4% of it at all six shapes of DESIGN.md section 6 (32 x 32K: 307 us; 4 warps of one
+# tile with register prefetch, the previous default: 328 us). OSCAR_GLUON_CONFIG='{"warps": 2, ...}'
+# overrides it (benchmarks, profiling; read once).
+GLUON = GluonConfig(**json.loads(os.environ.get("OSCAR_GLUON_CONFIG", "{}")))
 # "auto": the Gluon kernel for the decode steps it takes, else "triton" everywhere (read once).
 PAGE_KERNEL = os.environ.get("OSCAR_PAGE_KERNEL", "auto")
 
@@ -644,12 +664,12 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
         nsplit = int(splits)
     elif page_kernel == "gluon":
         # smaller programs (4 warps, ~128 registers): about four an SM
-        nsplit = num_splits(b, h, 1, page_keys, GLUON_KEYS_PER_BLOCK, sms, per_sm=4)
+        nsplit = num_splits(b, h, 1, page_keys, GLUON.keys_per_block, sms, per_sm=GLUON.per_sm)
     elif filled:
         nsplit = 1
     else:
         nsplit = num_splits(b, h, page_m_blocks, page_keys, block_n, sms)
-    unit = GLUON_KEYS_PER_BLOCK if page_kernel == "gluon" else block_n
+    unit = GLUON.keys_per_block if page_kernel == "gluon" else block_n
     keys_per_split = triton.cdiv(triton.cdiv(page_keys, nsplit), unit) * unit
     if filled and not splits:
         bf16_per_split = triton.cdiv(bf16_keys, BF16_BLOCK_N) * BF16_BLOCK_N
@@ -813,7 +833,7 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
             (b * h, plan.nsplit), qq, pos, lens, c0, kw, k_meta.view(torch.int32), vw, v_meta.view(torch.int32),
             block_table, q if mask is None else mask, smk, mask_len, part_m, part_l, part_o, plan.keys_per_split,
             geo.num_sinks, geo.window, ns, h, g, d, geo.page_size, has_chunk, mask_kind, is_causal,
-            num_warps=GLUON_WARPS, tiles=GLUON_TILES)
+            num_warps=GLUON.warps, tiles=GLUON.tiles, stages=GLUON.stages)
     else:
         LAST_LAUNCH["attention"] = _attn_kernel[(b * h, plan.page_m_blocks, plan.nsplit)](
             *args, REGION=0, BLOCK_M=plan.page_m, BLOCK_N=plan.block_n, **meta, **page_opts)

@@ -270,6 +270,21 @@ def test_decode_page_kernels_gpu(d, gqa, page_kernel):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(warps=4, stages=1, per_sm=4), dict(warps=1, tiles=2, stages=4, per_sm=12),
+                                 dict(warps=2, stages=8, per_sm=8), dict(warps=1, stages=1, per_sm=16)])
+def test_gluon_decode_launch_shapes_gpu(cfg, monkeypatch):
+    # every launch shape the Gluon kernel offers (register prefetch or a cp.async ring; one warp with the
+    # lazy rescale, or several) gives the same answer; odd lengths, a row with no page keys, d 64 and 128
+    from oscar_compile.kernels import triton_attention as ta
+
+    monkeypatch.setattr(ta, "GLUON", ta.GluonConfig(**cfg))
+    for d, gqa, seed in ((128, 4, 1), (64, 8, 2)):
+        _run_case(h=8, gqa=gqa, d=d, lengths=(1000, 333, 5000, 77), s=64, w=256, ps=16, decode_steps=2, clip=0.95,
+                  kind="invertible", dtype=torch.bfloat16, seed=seed, page_kernel="gluon")
+        assert LAST_LAUNCH["plan"].page_kernel == "gluon"
+
+
+@pytest.mark.gpu
 def test_gluon_decode_with_bool_mask_and_page_size_32_gpu():
     gen = torch.Generator().manual_seed(3)
     h, gqa, d = 8, 4, 128
