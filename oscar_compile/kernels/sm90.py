@@ -109,7 +109,8 @@ def compile_gluon_decode(d=128, g=4, mask_kind=1, causal=True, num_warps=None, t
     from . import triton_attention as ta
     from .gluon_decode import _page_decode_kernel
 
-    num_warps, tiles, stages = num_warps or ta.GLUON.warps, tiles or ta.GLUON.tiles, stages or ta.GLUON.stages
+    cfg = ta.GLUON or ta.GLUON_WIDE
+    num_warps, tiles, stages = num_warps or cfg.warps, tiles or cfg.tiles, stages or cfg.stages
     const = dict(H=8, G=g, D=d, PS=16, NW=num_warps, NT=tiles, HAS_CHUNK=True, MASK_KIND=mask_kind, IS_CAUSAL=causal,
                  SUBNORMAL=subnormal, WIDE=False, STAGES=stages)
     pointers = dict(ATTENTION_POINTERS, km_ptr="*i32", vm_ptr="*i32", mask_ptr="*u8")  # metadata as (scale|min) words
@@ -131,7 +132,9 @@ def launch_variants(d: int) -> dict:
         f"store d={d}": lambda: compile_store(d=d, clip=True),
         f"gluon decode d={d}": lambda: compile_gluon_decode(d=d),
         **({"gluon decode d=128, no mask, G=8": lambda: compile_gluon_decode(d=128, g=8, mask_kind=0, causal=False),
-            "gluon decode d=128, 2 tiles": lambda: compile_gluon_decode(d=128, tiles=2)} if d == 128 else {}),
+            "gluon decode d=128, 2 tiles": lambda: compile_gluon_decode(d=128, tiles=2),
+            "gluon decode d=128, 4 warps (narrow)": lambda: compile_gluon_decode(d=128, num_warps=4, stages=1)}
+           if d == 128 else {}),
     }
 
 

@@ -560,6 +560,7 @@ class AttentionPlan:
     nb: int
     temp_bytes: int  # what one tile allocates (qq + partial states)
     page_kernel: str = "triton"  # which kernel reads the INT2 pages: "gluon" (decode, gluon_decode.py) or "triton"
+    gluon: GluonConfig | None = None  # the Gluon kernel's launch shape (page_kernel "gluon")
 
     @property
     def ns(self) -> int:
@@ -585,13 +586,28 @@ class GluonConfig:
     def keys_per_block(self) -> int:
         return self.warps * self.tiles * 16
 
+    def splits(self, programs: int, page_keys: int, sms: int) -> int:
+        """Splits of each of ``programs`` (rows x KV heads): as many as fill every SM's ``per_sm`` slots in
+        one wave (rounding up would start a second, nearly empty wave: 9 splits at 32 x 32K took 364 us
+        where 8 took 307), at least four blocks a split, at most 128 (the merge reads them all)."""
+        most = max(1, page_keys // (4 * self.keys_per_block))
+        return int(max(1, min(self.per_sm * sms // max(1, programs), most, 128)))
 
-# H200 (results/gluon_decode_h200_pipeline.json, the kernel alone): one warp a program (its softmax state is
+
+# H200, the kernel alone (results/gluon_decode_h200_pipeline.json): one-warp programs (their softmax state is
 # rescaled only when a running max grows), codes two blocks deep through shared memory, ~16 programs an SM
-# was fastest or within 4% of it at all six shapes of DESIGN.md section 6 (32 x 32K: 307 us; 4 warps of one
-# tile with register prefetch, the previous default: 328 us). OSCAR_GLUON_CONFIG='{"warps": 2, ...}'
-# overrides it (benchmarks, profiling; read once).
-GLUON = GluonConfig(**json.loads(os.environ.get("OSCAR_GLUON_CONFIG", "{}")))
+# were fastest or within 4% of it at all six shapes of DESIGN.md section 6 (32 x 32K: 307 us; 4 warps with
+# register prefetch: 328 us). But at batch 1 that means ~128 splits, and merging them cost 20 us of 93 at
+# 1 x 128K (results/decode_attention_h200.json): fewer rows x KV heads than SMs take 4-warp programs.
+GLUON_WIDE = GluonConfig(warps=1, tiles=1, stages=2, per_sm=16)
+GLUON_NARROW = GluonConfig(warps=4, tiles=1, stages=1, per_sm=4)
+# OSCAR_GLUON_CONFIG='{"warps": 2, ...}' forces one launch shape for every call (benchmarks, profiling; read once).
+GLUON = GluonConfig(**json.loads(os.environ["OSCAR_GLUON_CONFIG"])) if os.environ.get("OSCAR_GLUON_CONFIG") else None
+
+
+def gluon_config(programs: int, sms: int) -> GluonConfig:
+    """The Gluon kernel's launch shape for ``programs`` (rows x KV heads) on ``sms`` SMs."""
+    return GLUON or (GLUON_WIDE if programs >= sms else GLUON_NARROW)
 # "auto": the Gluon kernel for the decode steps it takes, else "triton" everywhere (read once).
 PAGE_KERNEL = os.environ.get("OSCAR_PAGE_KERNEL", "auto")
 
@@ -663,13 +679,12 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
     if splits:
         nsplit = int(splits)
     elif page_kernel == "gluon":
-        # smaller programs (4 warps, ~128 registers): about four an SM
-        nsplit = num_splits(b, h, 1, page_keys, GLUON.keys_per_block, sms, per_sm=GLUON.per_sm)
+        nsplit = gluon_config(b * h, sms).splits(b * h, page_keys, sms)
     elif filled:
         nsplit = 1
     else:
         nsplit = num_splits(b, h, page_m_blocks, page_keys, block_n, sms)
-    unit = GLUON.keys_per_block if page_kernel == "gluon" else block_n
+    unit = gluon_config(b * h, sms).keys_per_block if page_kernel == "gluon" else block_n  # whole blocks a split
     keys_per_split = triton.cdiv(triton.cdiv(page_keys, nsplit), unit) * unit
     if filled and not splits:
         bf16_per_split = triton.cdiv(bf16_keys, BF16_BLOCK_N) * BF16_BLOCK_N
@@ -683,7 +698,8 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
     rows = b * h * m_total
     temp = rows * d * 2 + rows * (nsplit + nb) * (d + 2) * 4  # qq (fp16) + partial o, m, l (fp32)
     return AttentionPlan(tq, m_total, block_m, m_blocks, page_m, page_m_blocks, block_n, nsplit, keys_per_split,
-                         bf16_per_split, nb, temp, page_kernel)
+                         bf16_per_split, nb, temp, page_kernel,
+                         gluon_config(b * h, sms) if page_kernel == "gluon" else None)
 
 
 def plan_attention(b: int, hq: int, t: int, geo, device, block_n: int | None = None, splits: int | None = None,
@@ -829,11 +845,12 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     # warps: page_warps for the page region alone, else num_warps for both regions, else the heuristic
     page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, plan.page_m_blocks, plan.page_m, q.device)
     if plan.page_kernel == "gluon":
+        cfg = plan.gluon
         LAST_LAUNCH["attention"] = _gluon_decode().launch_pages(
             (b * h, plan.nsplit), qq, pos, lens, c0, kw, k_meta.view(torch.int32), vw, v_meta.view(torch.int32),
             block_table, q if mask is None else mask, smk, mask_len, part_m, part_l, part_o, plan.keys_per_split,
             geo.num_sinks, geo.window, ns, h, g, d, geo.page_size, has_chunk, mask_kind, is_causal,
-            num_warps=GLUON.warps, tiles=GLUON.tiles, stages=GLUON.stages)
+            num_warps=cfg.warps, tiles=cfg.tiles, stages=cfg.stages)
     else:
         LAST_LAUNCH["attention"] = _attn_kernel[(b * h, plan.page_m_blocks, plan.nsplit)](
             *args, REGION=0, BLOCK_M=plan.page_m, BLOCK_N=plan.block_n, **meta, **page_opts)
