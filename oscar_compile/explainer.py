@@ -33,8 +33,9 @@ def format_graph_summary(rec: CompiledGraph) -> str:
         for r in rec.rewritten:
             m = r.match
             heads = f"{m.num_q_heads}/{m.num_kv_heads}"
+            write = m.write_kind + (" [B,T,H,d]" if m.layout == "sequence-major" else "")  # head-major unmarked
             lines.append(
-                f"  {m.index:>3}  {m.sdpa.name:<22} {r.slot:<10} {m.write_kind:<12} {heads:<10} {m.head_dim:>4}  "
+                f"  {m.index:>3}  {m.sdpa.name:<22} {r.slot:<10} {write:<12} {heads:<10} {m.head_dim:>4}  "
                 f"{_fmt(m.q_len):<8} {m.mask_kind:<9} {'yes' if m.is_causal else 'no':<6} {m.scale:<8.4g}"
             )
     for u in a.unmatched:

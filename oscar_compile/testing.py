@@ -130,11 +130,19 @@ class TinyDecoder(torch.nn.Module):
     positions, applies its own RoPE and expands GQA with ``repeat_interleave``. With
     ``reference`` set to a :class:`PagedInt2KVCache` it calls the oscar ops directly instead (the
     oracle for the compiled model).
+
+    ``layout="seq"`` keeps the buffers sequence-major ``[batch, max_len, kv_heads, head_dim]`` (Meta's
+    reference Llama, flash-attn style code), read through ``transpose(1, 2)``; ``write`` picks the idiom
+    that fills them: ``"setitem"`` (``cache[..., input_pos] = k``), ``"index_copy"``, ``"index_put"`` (the aten op) or
+    ``"slice"`` (``cache[..., start:start + T] = k``, with ``forward(..., start=int)``).
     """
 
     def __init__(self, vocab: int = 97, dim: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                 max_len: int = 64, batch: int = 2, seed: int = 0):
+                 max_len: int = 64, batch: int = 2, seed: int = 0, layout: str = "head", write: str = "setitem"):
         super().__init__()
+        if layout not in ("head", "seq") or write not in ("setitem", "index_copy", "index_put", "slice"):
+            raise ValueError(f"TinyDecoder: layout {layout!r} / write {write!r}")
+        self.layout, self.write = layout, write
         gen = torch.Generator().manual_seed(seed)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
         self.embed = torch.nn.Parameter(torch.randn(vocab, dim, generator=gen) * 0.5)
@@ -145,8 +153,10 @@ class TinyDecoder(torch.nn.Module):
                                 ("wv", (kv_heads * self.head_dim, dim)), ("wo", (dim, dim)),
                                 ("w1", (2 * dim, dim)), ("w2", (dim, 2 * dim))):
                 setattr(blk, name, torch.nn.Parameter(torch.randn(*shape, generator=gen) / shape[1] ** 0.5))
-            blk.register_buffer("k_cache", torch.zeros(batch, kv_heads, max_len, self.head_dim))
-            blk.register_buffer("v_cache", torch.zeros(batch, kv_heads, max_len, self.head_dim))
+            cache_shape = (batch, kv_heads, max_len, self.head_dim) if layout == "head" else (
+                batch, max_len, kv_heads, self.head_dim)
+            blk.register_buffer("k_cache", torch.zeros(cache_shape))
+            blk.register_buffer("v_cache", torch.zeros(cache_shape))
             self.blocks.append(blk)
         self.register_buffer("causal", torch.ones(max_len, max_len, dtype=torch.bool).tril())
         inv = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
@@ -160,7 +170,25 @@ class TinyDecoder(torch.nn.Module):
         rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rot * sin
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    def _write(self, cache: torch.Tensor, new: torch.Tensor, input_pos: torch.Tensor, start: int | None) -> None:
+        """``new`` ([B, H, T, d]) into ``cache`` at ``input_pos``, by this model's idiom and layout."""
+        dim = 2 if self.layout == "head" else 1
+        if dim == 1:
+            new = new.transpose(1, 2)
+        lead = (slice(None),) * dim
+        if self.write == "setitem":
+            cache[(*lead, input_pos)] = new
+        elif self.write == "index_copy":
+            cache.index_copy_(dim, input_pos, new)
+        elif self.write == "index_put":  # the aten op: eager Tensor.index_put_ takes no None index
+            torch.ops.aten.index_put_(cache, [None] * dim + [input_pos], new)
+        else:
+            cache[(*lead, slice(start, start + new.shape[dim]))] = new
+
+    def _read(self, cache: torch.Tensor) -> torch.Tensor:
+        return cache if self.layout == "head" else cache.transpose(1, 2)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, start: int | None = None) -> torch.Tensor:
         b, t = tokens.shape
         x = self.embed[tokens]
         mask = self.causal[None, None, input_pos]  # [1, 1, T, max_len]
@@ -175,10 +203,10 @@ class TinyDecoder(torch.nn.Module):
                 kt, vt = self.reference.store(i, k, v, input_pos)
                 o = self.reference.attention(i, q, input_pos, attn_mask=mask, chunk=(kt, vt, input_pos))
             else:
-                blk.k_cache[:, :, input_pos] = k
-                blk.v_cache[:, :, input_pos] = v
-                kk = blk.k_cache.repeat_interleave(rep, dim=1)
-                vv = blk.v_cache.repeat_interleave(rep, dim=1)
+                self._write(blk.k_cache, k, input_pos, start)
+                self._write(blk.v_cache, v, input_pos, start)
+                kk = self._read(blk.k_cache).repeat_interleave(rep, dim=1)
+                vv = self._read(blk.v_cache).repeat_interleave(rep, dim=1)
                 o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
             x = x + o.transpose(1, 2).reshape(b, t, -1) @ blk.wo.T
             h = torch.nn.functional.rms_norm(x, (x.shape[-1],))

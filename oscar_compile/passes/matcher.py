@@ -10,6 +10,11 @@ dimension) to a cache tensor, and that tensor to the single write that fills it 
 * ``buf.index_put_((None, None, positions), new)``
 * ``torch.cat((past, new), dim=-2)``                (transformers ``DynamicCache``)
 
+Caches are head-major ``[batch, heads, seq, d]`` or sequence-major ``[batch, seq, heads, d]`` (Meta's
+reference Llama, flash-attn style code): the latter are read through ``transpose(1, 2)`` (or
+``permute(0, 2, 1, 3)``), possibly after a slice ``[:, :n]``, and written along dim 1 by the same three
+idioms (``index_copy_(1, ...)``, ``buf[:, positions] = new``, ``index_put_((None, positions), new)``).
+
 Anything that does not fit is reported with a reason in plain words and left untouched.
 Nothing here changes the graph; :mod:`.rewrite` does.
 """
@@ -37,7 +42,8 @@ from .fx_utils import (
     source_name,
 )
 
-SEQ_DIM = 2  # caches and SDPA inputs are [batch, heads, seq, head_dim]
+SEQ_DIM = 2  # SDPA inputs and head-major caches are [batch, heads, seq, head_dim]
+SEQ_MAJOR_DIM = 1  # sequence-major caches are [batch, seq, heads, head_dim]
 _CASTS = {"contiguous", "clone", "to", "float", "half", "bfloat16", "type_as", "detach"}
 _METADATA_READS = {"size", "dim", "numel", "stride", "data_ptr", "element_size", "is_contiguous"}
 _WRITE_METHODS = {"index_copy_", "index_put_", "index_copy", "copy_", "scatter_", "fill_", "zero_", "add_"}
@@ -52,6 +58,7 @@ class KVRead:
     seq_len: Any = None  # a leading slice [:, :, :seq_len] of the sequence, or None (all of it)
     seq_len_arg: Any = None  # the same as it appears in the graph (an int or a SymInt node)
     chain: list[fx.Node] = field(default_factory=list)  # views from the SDPA input back to the buffer
+    seq_dim: int = SEQ_DIM  # the buffer's sequence dim: 2 (head-major) or 1 (sequence-major, read transposed)
 
 
 @dataclass
@@ -59,8 +66,9 @@ class CacheWrite:
     kind: str  # index_copy_ | setitem | index_put_ | cat
     node: fx.Node
     buffer: fx.Node  # the tensor written (for cat: the past tensor)
-    new: fx.Node  # new keys or values [B, H, T, d]
+    new: fx.Node  # new keys or values [B, H, T, d] ([B, T, H, d] for a sequence-major cache)
     positions: Any  # an index tensor node, a (start, stop) pair for slice writes, None for cat
+    seq_dim: int = SEQ_DIM  # the dim of the buffer (and of ``new``) the positions index
 
 
 @dataclass
@@ -89,6 +97,10 @@ class AttentionMatch:
     @property
     def write_kind(self) -> str:
         return self.key_write.kind
+
+    @property
+    def layout(self) -> str:
+        return "head-major" if self.key_write.seq_dim == SEQ_DIM else "sequence-major"
 
     @property
     def source_layer(self) -> int | None:
@@ -155,12 +167,41 @@ def _is_read_guard(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (guard, guard.default)
 
 
+_ATEN_INDEX_PUT = (torch.ops.aten.index_put_, torch.ops.aten.index_put_.default)
+
+
+def _is_index_put(node: fx.Node) -> bool:
+    """``buf.index_put_(...)``, or ``torch.ops.aten.index_put_(buf, [None, ..., positions], new)`` (eager
+    ``index_put_`` takes no ``None`` index; the aten op does)."""
+    return (is_call(node, "index_put_") or is_call(node, "index_put")
+            or (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _ATEN_INDEX_PUT))
+
+
+def _is_seq_head_swap(node: fx.Node) -> bool:
+    """``x.transpose(1, 2)`` (any spelling) or ``x.permute(0, 2, 1, 3)`` of a 4-D ``x``."""
+    if not isinstance(node, fx.Node) or not node.args or len(shape(node.args[0]) or ()) != 4:
+        return False
+    if is_call(node, "transpose") or is_call(node, fn=torch.transpose):
+        dims = node.args[1:3]
+        return len(dims) == 2 and {d % 4 for d in dims if isinstance(d, int)} == {1, 2}
+    if is_call(node, "permute") or is_call(node, fn=torch.permute):
+        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        return [d % 4 if isinstance(d, int) else d for d in dims] == [0, 2, 1, 3]
+    return False
+
+
 def trace_read(node: fx.Node) -> KVRead:
     """Walk back from an SDPA key/value input to the tensor it reads."""
     read = KVRead(buffer=node)
     cur = node
     while isinstance(cur, fx.Node):
         src = cur.args[0] if cur.args else None
+        if read.seq_dim == SEQ_DIM and _is_seq_head_swap(cur):
+            # a sequence-major cache seen head-major: what lies behind is indexed [batch, seq, heads, d]
+            read.seq_dim = SEQ_MAJOR_DIM
+            read.chain.append(cur)
+            cur = src
+            continue
         if cur.op == "call_method" and cur.target in _CASTS and shape(src) == shape(cur):
             read.chain.append(cur)
             cur = src
@@ -170,7 +211,7 @@ def trace_read(node: fx.Node) -> KVRead:
             cur = src
             continue
         # repeat_kv: x[:, :, None, :, :].expand(B, H, n, L, d).reshape(B, H * n, L, d)
-        if is_call(cur, "reshape") or is_call(cur, "view"):
+        if read.seq_dim == SEQ_DIM and (is_call(cur, "reshape") or is_call(cur, "view")):
             exp = src
             if is_call(exp, "expand") and is_getitem(exp.args[0]):
                 gi = exp.args[0]
@@ -188,15 +229,17 @@ def trace_read(node: fx.Node) -> KVRead:
         if is_call(cur, "repeat_interleave"):
             reps = cur.args[1] if len(cur.args) > 1 else cur.kwargs.get("repeats")
             dim = cur.args[2] if len(cur.args) > 2 else cur.kwargs.get("dim")
-            if isinstance(reps, int) and dim in (1, -3):
+            head_dims = (1, -3) if read.seq_dim == SEQ_DIM else (2, -2)
+            if isinstance(reps, int) and dim in head_dims:
                 read.n_rep *= reps
                 read.chain.append(cur)
                 cur = src
                 continue
         if is_getitem(cur) and isinstance(cur.args[1], tuple):
-            idx = cur.args[1]
-            if 3 <= len(idx) <= 4 and all(is_full_slice(i) for i in idx[:2]) and all(is_full_slice(i) for i in idx[3:]):
-                sl = idx[2]
+            idx, sd = cur.args[1], read.seq_dim
+            if (sd + 1 <= len(idx) <= 4 and all(is_full_slice(i) for i in idx[:sd])
+                    and all(is_full_slice(i) for i in idx[sd + 1:])):
+                sl = idx[sd]
                 if isinstance(sl, slice) and sl.start in (None, 0) and sl.step in (None, 1):
                     if sl.stop is not None and read.seq_len is None:
                         read.seq_len = meta(sl.stop) if isinstance(sl.stop, fx.Node) else sl.stop
@@ -204,7 +247,7 @@ def trace_read(node: fx.Node) -> KVRead:
                     read.chain.append(cur)
                     cur = src
                     continue
-        if is_call(cur, "narrow") and cur.args[1] in (SEQ_DIM, -2) and cur.args[2] == 0:
+        if is_call(cur, "narrow") and cur.args[1] in (read.seq_dim, read.seq_dim - 4) and cur.args[2] == 0:
             n = cur.args[3]
             if read.seq_len is None:
                 read.seq_len = meta(n) if isinstance(n, fx.Node) else n
@@ -221,36 +264,45 @@ def _positions_of(write: CacheWrite):
     return write.positions
 
 
-def _parse_write(node: fx.Node, buffer: fx.Node) -> CacheWrite:
+_LAYOUT_NAME = {SEQ_DIM: "[batch, heads, seq, dim]", SEQ_MAJOR_DIM: "[batch, seq, heads, dim]"}
+
+
+def _parse_write(node: fx.Node, buffer: fx.Node, sd: int = SEQ_DIM) -> CacheWrite:
+    """The write ``node`` into ``buffer``, whose sequence dim (as the attention reads it) is ``sd``."""
     bshape = shape(buffer)
+    lead = "cache[:, :, positions(, :)] = new" if sd == SEQ_DIM else "cache[:, positions(, :, :)] = new"
     if is_call(node, "index_copy_"):
         _, dim, index, new = (list(node.args) + [None] * 4)[:4]
         dim = node.kwargs.get("dim", dim)
-        if dim not in (SEQ_DIM, SEQ_DIM - 4):
-            raise _NoMatch(f"index_copy_ writes along dim {dim}, not the sequence dim {SEQ_DIM} of a [batch, heads, seq, dim] cache")
-        return CacheWrite("index_copy_", node, buffer, new, index)
+        if dim not in (sd, sd - 4):
+            raise _NoMatch(f"index_copy_ writes along dim {dim}, not the sequence dim {sd} of a {_LAYOUT_NAME[sd]} "
+                           "cache (the layout the attention reads it in)")
+        return CacheWrite("index_copy_", node, buffer, new, index, sd)
     if is_setitem(node):
         _, idx, new = node.args
-        if not (isinstance(idx, tuple) and 3 <= len(idx) <= 4 and all(is_full_slice(i) for i in idx[:2])
-                and all(is_full_slice(i) for i in idx[3:])):
-            raise _NoMatch(f"setitem index {describe(node)} is not cache[:, :, positions(, :)] = new")
-        pos = idx[2]
+        if isinstance(idx, tuple) and sd == SEQ_MAJOR_DIM and len(idx) == 2 and isinstance(idx[0], slice):
+            idx = (*idx, slice(None))  # cache[:, positions] = new
+        if not (isinstance(idx, tuple) and sd + 1 <= len(idx) <= 4 and all(is_full_slice(i) for i in idx[:sd])
+                and all(is_full_slice(i) for i in idx[sd + 1:])):
+            raise _NoMatch(f"setitem index {describe(node)} is not {lead}")
+        pos = idx[sd]
         if isinstance(pos, slice):
             if pos.step not in (None, 1) or pos.start is None or pos.stop is None:
                 raise _NoMatch("slice assignment into the cache needs explicit start:stop with step 1")
             pos = (pos.start, pos.stop)
         elif not isinstance(pos, fx.Node):
             raise _NoMatch(f"setitem writes at {pos!r}, not at a position tensor or slice")
-        return CacheWrite("setitem", node, buffer, new, pos)
-    if is_call(node, "index_put_") or is_call(node, "index_put"):
+        return CacheWrite("setitem", node, buffer, new, pos, sd)
+    if _is_index_put(node):
         _, indices, new = node.args[:3]
         accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
         if accumulate:
             raise _NoMatch("index_put_ with accumulate=True adds into the cache; only plain writes are supported")
-        if not (isinstance(indices, (tuple, list)) and len(indices) == 3 and indices[0] is None and indices[1] is None
-                and isinstance(indices[2], fx.Node)):
-            raise _NoMatch(f"index_put_ indices of {describe(node)} are not (None, None, positions)")
-        return CacheWrite("index_put_", node, buffer, new, indices[2])
+        want = "(None, None, positions)" if sd == SEQ_DIM else "(None, positions)"
+        if not (isinstance(indices, (tuple, list)) and len(indices) == sd + 1 and all(i is None for i in indices[:sd])
+                and isinstance(indices[sd], fx.Node)):
+            raise _NoMatch(f"index_put_ indices of {describe(node)} are not {want}")
+        return CacheWrite("index_put_", node, buffer, new, indices[sd], sd)
     raise _NoMatch(f"{describe(node)} modifies the cache in a way oscar does not model (shape {bshape})")
 
 
@@ -261,13 +313,17 @@ def _find_write(read: KVRead, sdpa: fx.Node, order: dict) -> CacheWrite:
     if is_call(buf, fn=torch.cat):
         tensors = buf.args[0]
         dim = buf.args[1] if len(buf.args) > 1 else buf.kwargs.get("dim", 0)
+        if read.seq_dim != SEQ_DIM:
+            raise _NoMatch(f"{describe(buf)} grows a [batch, seq, heads, dim] cache by concatenation; only "
+                           "head-major caches grown by torch.cat((past, new), dim=-2) are supported")
         if not (isinstance(tensors, (list, tuple)) and len(tensors) == 2 and dim in (SEQ_DIM, SEQ_DIM - 4)):
             raise _NoMatch(f"{describe(buf)} is not torch.cat((past, new), dim=-2)")
         past, new = tensors
         _check_other_users(buf, read, sdpa)
         return CacheWrite("cat", buf, past, new, None)
     if shape(buf) is None or len(shape(buf)) != 4:
-        raise _NoMatch(f"the key/value tensor comes from {describe(buf)}, not from a [batch, heads, seq, dim] cache", stub)
+        raise _NoMatch(f"the key/value tensor comes from {describe(buf)}, not from a [batch, heads, seq, dim] or "
+                       "[batch, seq, heads, dim] cache", stub)
     writes = []
     for user in buf.users:
         if user in read.chain:
@@ -275,6 +331,8 @@ def _find_write(read: KVRead, sdpa: fx.Node, order: dict) -> CacheWrite:
         if is_setitem(user) and user.args[0] is buf:
             writes.append(user)
         elif user.op == "call_method" and user.target in _WRITE_METHODS and user.args[0] is buf:
+            writes.append(user)
+        elif _is_index_put(user) and user.args[0] is buf:
             writes.append(user)
     if not writes:
         raise _NoMatch(f"SDPA reads {buf.name}, but no write into it happens in this graph (a graph break between "
@@ -285,7 +343,7 @@ def _find_write(read: KVRead, sdpa: fx.Node, order: dict) -> CacheWrite:
     if order[write] > order[sdpa]:
         raise _NoMatch(f"{write.name} writes {buf.name} after SDPA reads it", stub)
     try:
-        parsed = _parse_write(write, buf)
+        parsed = _parse_write(write, buf, read.seq_dim)
     except _NoMatch as e:
         raise _NoMatch(e.reason, stub) from None
     _check_other_users(buf, read, sdpa, skip=write)
@@ -333,6 +391,8 @@ def _match_one(index: int, sdpa: fx.Node, order: dict) -> AttentionMatch:
 
     if kw.kind != vw.kind:
         fail(f"keys are written by {kw.kind} but values by {vw.kind}")
+    if kw.seq_dim != vw.seq_dim:
+        fail("the key cache and the value cache have different layouts")
     if kr.n_rep != vr.n_rep or not _same_len(kr.seq_len, vr.seq_len):
         fail("keys and values are read through different views")
     if kw.kind != "cat":
@@ -344,6 +404,8 @@ def _match_one(index: int, sdpa: fx.Node, order: dict) -> AttentionMatch:
                 fail(f"write positions {kw.positions.name} have shape {ps}, not [T] or [B, T]")
     qs, ks_new, vs_new = shape(q), shape(kw.new), shape(vw.new)
     bk = shape(kw.buffer) if kw.kind != "cat" else shape(kw.node)
+    if kw.seq_dim != SEQ_DIM:  # compare everything head-major
+        ks_new, vs_new, bk = (_swap_seq_heads(x) for x in (ks_new, vs_new, bk))
     if not (qs and ks_new and vs_new and bk) or not all(len(s) == 4 for s in (qs, ks_new, vs_new, bk)):
         fail("query, new keys/values or cache are not 4-D [batch, heads, seq, head_dim]")
     b, hq, t, d = qs
@@ -401,6 +463,10 @@ def _match_one(index: int, sdpa: fx.Node, order: dict) -> AttentionMatch:
     )
 
 
+def _swap_seq_heads(s):
+    return (s[0], s[2], s[1], *s[3:]) if s and len(s) == 4 else s
+
+
 def _stub_root(node: fx.Node) -> fx.Node:
     """An OscarCache stub is written through ``stub.expand(batch, ...)``: its source is the stub's."""
     while is_call(node, "expand") and isinstance(node.args[0], fx.Node) and _is_stub(node.args[0]):
@@ -421,7 +487,7 @@ def _same_positions(a, b) -> bool:
 
 
 def _looks_like_cache_write(node: fx.Node) -> bool:
-    if is_setitem(node) or (node.op == "call_method" and node.target in ("index_copy_", "index_put_")):
+    if is_setitem(node) or _is_index_put(node) or is_call(node, "index_copy_"):
         s = shape(node.args[0]) if node.args else None
         return s is not None and len(s) == 4
     return False

@@ -13,7 +13,7 @@ from torch import fx
 
 from .fx_utils import meta
 from .matcher import AttentionMatch, GraphAnalysis
-from .rewrite import _positions
+from .rewrite import _positions, new_head_major
 
 
 def insert_observers(gm: fx.GraphModule, analysis: GraphAnalysis, record: Callable,
@@ -22,7 +22,8 @@ def insert_observers(gm: fx.GraphModule, analysis: GraphAnalysis, record: Callab
     for m in analysis.matches:
         with graph.inserting_before(m.sdpa):
             positions = _positions(graph, m, meta(m.key_write.new).device)
-            graph.call_function(record, (layer_of(m), m.query, m.key_write.new, m.value_write.new, positions))
+            k_new, v_new = new_head_major(graph, m.key_write), new_head_major(graph, m.value_write)
+            graph.call_function(record, (layer_of(m), m.query, k_new, v_new, positions))
     graph.lint()
     gm.recompile()
     return len(analysis.matches)

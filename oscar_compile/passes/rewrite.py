@@ -31,7 +31,7 @@ from torch import fx
 from .. import ops  # noqa: F401  (registers torch.ops.oscar)
 from ..cache import PagedInt2KVCache
 from .fx_utils import meta
-from .matcher import _METADATA_READS, AttentionMatch, GraphAnalysis, _is_read_guard
+from .matcher import _METADATA_READS, SEQ_DIM, AttentionMatch, CacheWrite, GraphAnalysis, _is_read_guard
 
 
 @dataclass
@@ -98,7 +98,7 @@ def rewrite(
             positions = _positions(graph, m, device)
             # Detached: the INT2 cache is inference-only, and in grad mode AOTAutograd would otherwise
             # trace a backward through store (a mutating op, which cannot have an autograd formula).
-            k_new, v_new = (graph.call_method("detach", (w.new,)) for w in (kw, vw))
+            k_new, v_new = (graph.call_method("detach", (new_head_major(graph, w),)) for w in (kw, vw))
             store = graph.call_function(
                 torch.ops.oscar.store.default,
                 (k_new, v_new, positions, *cache_nodes, t_nodes["key_transform"], t_nodes["key_mean"],
@@ -137,6 +137,11 @@ def rewrite(
         raise RewriteError(f"oscar: the rewritten graph is malformed: {e}") from e
     gm.recompile()
     return done
+
+
+def new_head_major(graph: fx.Graph, w: CacheWrite) -> fx.Node:
+    """The new keys or values of a write as ``[B, H, T, d]`` (a sequence-major cache is written ``[B, T, H, d]``)."""
+    return w.new if w.seq_dim == SEQ_DIM else graph.call_method("transpose", (w.new, 1, 2))
 
 
 def _positions(graph: fx.Graph, m: AttentionMatch, device) -> fx.Node:

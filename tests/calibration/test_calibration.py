@@ -135,6 +135,17 @@ def test_calibrate_hand_written_decoder():
     assert len(art.layers) == 2 and art.fingerprint["num_kv_heads"] == 2 and art.fingerprint["head_dim"] == 16
 
 
+def test_calibrate_sequence_major_cache_equals_head_major():
+    # the same model with [B, L, H, d] buffers: the tracer sees the same keys and values (transposed back)
+    arts = [calibrate(TinyDecoder(layout=layout, write="index_copy"), _batches(), progress=False,
+                      forward=lambda m, x: m(x, torch.arange(x.shape[1]), 0)) for layout in ("head", "seq")]
+    assert len(arts[1].layers) == 2
+    for a, b in zip(arts[0].layers, arts[1].layers):
+        for name in a._tensor_names():
+            torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-5, atol=1e-6)
+        assert (a.key_clip, a.value_clip) == (b.key_clip, b.value_clip)
+
+
 def test_calibration_is_deterministic():
     model = tiny_model("qwen2")
     a = calibrate(model, _batches(), progress=False)

@@ -95,6 +95,50 @@ def test_hand_written_decoder_with_its_own_buffers():
     assert rel_error(int2, eager) > 1e-3
 
 
+_IDIOM_KIND = {"setitem": "setitem", "index_copy": "index_copy_", "index_put": "index_put_", "slice": "setitem"}
+
+
+@pytest.mark.parametrize("layout, write", [("seq", "setitem"), ("seq", "index_copy"), ("seq", "index_put"), ("head", "index_put"),
+                                           ("seq", "slice"), ("head", "index_copy"), ("head", "slice")])
+def test_hand_written_cache_layouts_and_write_idioms(layout, write):
+    # sequence-major buffers [B, L, H, d] read through transpose(1, 2), and every write idiom along the
+    # sequence dim: rewritten, exact without quantization, and the ops called directly with it
+    model = TinyDecoder(layout=layout, write=write)
+    ids = _ids(2, 7, seed=3)
+
+    def run(m):
+        logits = [m(ids, torch.arange(7), 0)]
+        tok = logits[-1][:, -1:].argmax(-1)
+        for p in range(7, 7 + 3):
+            logits.append(m(tok, torch.tensor([p]), p))
+            tok = logits[-1][:, -1:].argmax(-1)
+        return torch.cat(logits, 1)
+
+    with torch.no_grad():
+        eager = run(model)
+        backend = oscar_backend(quantize=False, inductor=False)
+        exact = run(torch.compile(model, backend=backend, dynamic=False))
+        torch.testing.assert_close(exact, eager, rtol=1e-5, atol=1e-5)
+        rewritten = [r for g in backend.graphs for r in g.rewritten]
+        assert rewritten and all(len(g.rewritten) == 2 for g in backend.graphs)
+        assert {r.match.write_kind for r in rewritten} == {_IDIOM_KIND[write]}
+        assert {r.match.layout for r in rewritten} == {"sequence-major" if layout == "seq" else "head-major"}
+
+        torch._dynamo.reset()
+        opts = dict(num_sinks=1, window=2, page_size=4)
+        backend = oscar_backend(inductor=False, **opts)
+        int2 = run(torch.compile(model, backend=backend, dynamic=False))
+        model.reference = PagedInt2KVCache(2, 2, 16, max_batch_size=2, max_seq_len=64, dtype=torch.float32, **opts)
+        for layer in range(2):
+            model.reference.set_transforms(layer, LayerTransforms.hadamard(2, 16))
+            model.reference.allocate(0, 64), model.reference.allocate(1, 64)
+        ref = run(model)
+        model.reference = None
+    # same ops, same order: only float reassociation differs
+    torch.testing.assert_close(int2, ref, rtol=1e-4, atol=1e-4)
+    assert rel_error(int2, eager) > 1e-3
+
+
 def test_inductor_fullgraph_generate_with_oscar_cache():
     model = tiny_model("llama")
     ids = _ids(1, 9)
