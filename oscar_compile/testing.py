@@ -258,7 +258,7 @@ def reference_attention(cache: PagedInt2KVCache):
 _COMMON = dict(vocab_size=97, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
                num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "olmo2", "phi3", "gemma", "llama-mqa")
 
 
 def tiny_config(family: str):
@@ -273,6 +273,15 @@ def tiny_config(family: str):
         return transformers.Qwen3Config(**_COMMON, head_dim=16)
     if family == "mistral":
         return transformers.MistralConfig(**_COMMON, sliding_window=None)
+    if family == "olmo2":  # q/k norms over the whole projection, before RoPE
+        return transformers.Olmo2Config(**_COMMON)
+    if family == "phi3":  # fused qkv projection, partial rotary
+        return transformers.Phi3Config(**{k: v for k, v in _COMMON.items() if k != "pad_token_id"},
+                                       partial_rotary_factor=0.5, pad_token_id=0)
+    if family == "gemma":  # head_dim 256 (wider than hidden / heads), GeGLU, scaled embeddings
+        return transformers.GemmaConfig(**_COMMON, head_dim=256)
+    if family == "llama-mqa":  # one KV head
+        return transformers.LlamaConfig(**{**_COMMON, "num_key_value_heads": 1})
     if family == "gpt2":  # no RoPE, no GQA
         return transformers.GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=1,
                                        eos_token_id=2)

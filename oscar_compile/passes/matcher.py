@@ -522,7 +522,13 @@ def analyze(gm: fx.GraphModule) -> GraphAnalysis:
     for node in gm.graph.nodes:
         if node not in used and _looks_like_cache_write(node):
             reader = readers.get(node.args[0])
-            reason = (f"kept because the attention reading it ({reader.name}) is kept" if reader is not None
-                      else "no attention in this graph reads this tensor")
+            if reader is not None:
+                reason = f"kept because the attention reading it ({reader.name}) is kept"
+            elif not sdpas:
+                reason = ("this graph has no scaled_dot_product_attention call: the model computes attention another "
+                          "way (attn_implementation='eager', or a variant SDPA cannot express, such as Gemma 2's "
+                          "logit soft-capping); oscar rewrites SDPA only")
+            else:
+                reason = "no attention in this graph reads this tensor"
             unmatched.append(Unmatched(node, "cache write", reason, _is_stub(node.args[0])))
     return GraphAnalysis(matches, unmatched, len(sdpas))

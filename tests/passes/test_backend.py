@@ -139,6 +139,20 @@ def test_hand_written_cache_layouts_and_write_idioms(layout, write):
     assert rel_error(int2, eager) > 1e-3
 
 
+def test_attention_without_sdpa_is_left_alone_with_its_cause():
+    # Gemma 2 (logit soft-capping) has no SDPA path in transformers: eager attention, nothing to rewrite
+    import transformers
+
+    from oscar_compile.testing import _COMMON
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.Gemma2Config(**_COMMON, head_dim=16, sliding_window=64), attn_implementation="eager").eval()
+    report = oscar_compile.explain(model, _ids(1, 5), max_new_tokens=2, cache="static")
+    assert report.num_rewritten == 0 and report.num_unmatched > 0
+    assert "no scaled_dot_product_attention call" in report.summary() and "eager" in report.summary()
+
+
 def test_inductor_fullgraph_generate_with_oscar_cache():
     model = tiny_model("llama")
     ids = _ids(1, 9)
