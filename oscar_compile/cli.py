@@ -31,13 +31,42 @@ def _demo(args) -> int:
                     new_tokens=args.new_tokens)
 
 
+def read_text_arg(value: str, what: str) -> tuple[str, str]:
+    """``value`` names a packaged text or a file: ``(text, description)``; an error names ``what``."""
+    from .assets import TEXTS, load_text
+
+    if value in TEXTS:
+        return load_text(value), value
+    path = Path(value)
+    if not path.is_file():
+        raise SystemExit(f"{what} {value} is neither a file nor one of {', '.join(TEXTS)}")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise SystemExit(f"{what} {value} is empty")
+    return text, path.name
+
+
+def overlapping(a: str, b: str, samples: int = 32, width: int = 200) -> bool:
+    """Whether ``b`` contains any of ``samples`` evenly spaced ``width``-character pieces of ``a``."""
+    if len(a) < width:
+        return a.strip() != "" and a in b
+    step = max(1, (len(a) - width) // max(1, samples - 1))
+    return any(a[i:i + width] in b for i in range(0, len(a) - width + 1, step))
+
+
 def _eval(args) -> int:
 
     from .assets import load_model, load_text
-    from .demo import cached_artifacts_for
+    from .demo import cached_artifacts_for, calibration_text_name
     from .evaluation import EvalConfig, Method, format_report, run_eval, save_report
 
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
+    eval_text, eval_desc = read_text_arg(args.text, "oscar eval: --text")
+    haystack, _ = read_text_arg(args.haystack, "oscar eval: --haystack")
+    calib_name = calibration_text_name()
+    if args.text == calib_name or overlapping(eval_text, load_text(calib_name)):
+        raise SystemExit(f"oscar eval: the evaluation text {eval_desc} overlaps the calibration text ({calib_name}); "
+                         "calibration and evaluation must be disjoint")
     model, tok = load_model(args.model)
     names = args.methods.split(",")
     needs_stats = [n for n in names if n not in ("bf16", "kivi")]
@@ -64,8 +93,9 @@ def _eval(args) -> int:
     def checkpoint(rep):  # an interrupted run keeps what it measured
         partial.write_text(json.dumps(dict(rep, model=args.model), indent=1))
 
-    report = run_eval(model, tok, methods, load_text("wikipedia"), load_text("paul-graham"), cfg, checkpoint=checkpoint)
+    report = run_eval(model, tok, methods, eval_text, haystack, cfg, checkpoint=checkpoint)
     report["model"] = args.model
+    report["eval_text"] = eval_desc
     report["weights"] = "4-bit GGUF, dequantized to fp32 (the packaged model)"
     report["calibration"] = next((a.calibration for a in artifacts.values()), {"tokens": args.calib_tokens})
     report["clip_ratios"] = {n: a.clip_ratios for n, a in artifacts.items()}
@@ -162,20 +192,12 @@ def _tokenize(tok, model, text: str):
 
 def _calibrate(args) -> int:
     import time
-    from pathlib import Path
 
-    from .assets import TEXTS, load_text
     from .calibration import collect_statistics, derive_artifacts, token_batches
 
     t0 = time.perf_counter()
     model, tok = _load_for_cli(args.model)
-    if args.data in TEXTS:
-        text, desc = load_text(args.data), args.data
-    else:
-        path = Path(args.data)
-        if not path.is_file():
-            raise SystemExit(f"oscar calibrate: --data {args.data} is neither a file nor one of {', '.join(TEXTS)}")
-        text, desc = path.read_text(encoding="utf-8", errors="replace"), path.name
+    text, desc = read_text_arg(args.data, "oscar calibrate: --data")
     ids = _tokenize(tok, model, text)
     per_batch = args.seq_len * args.batch_size
     need = args.tokens + per_batch  # plus one held-out batch for the clip search
@@ -208,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ev = sub.add_parser("eval", help="accuracy of every method on the same tokens: perplexity, retrieval, bits")
     ev.add_argument("--model", default="smollm2-135m")
+    ev.add_argument("--text", default="wikipedia", help="evaluation text: a file, or a packaged text (wikipedia, ...); "
+                    "must not overlap the calibration text")
+    ev.add_argument("--haystack", default="paul-graham", help="filler text of the retrieval prompts: a file or a packaged text")
     ev.add_argument("--methods", default="bf16,kivi,identity,hadamard,oscar,default")
     ev.add_argument("--calib-tokens", type=int, default=32768)
     ev.add_argument("--ppl-contexts", default="512,2048")

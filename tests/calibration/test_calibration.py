@@ -203,3 +203,19 @@ def test_cli_calibrate(tmp_path, capsys):
     assert "layer  key clip  value clip" in out and "wrote" in out
     art = load_artifacts(tmp_path / "art")
     assert art.method == "oscar" and art.calibration["tokens"] == 256
+
+
+def test_text_arguments_and_disjoint_evaluation(tmp_path):
+    from oscar_compile.cli import overlapping, read_text_arg
+
+    f = tmp_path / "mine.txt"
+    f.write_text("a user's own evaluation text. " * 50)
+    assert read_text_arg(str(f), "--text") == (f.read_text(), "mine.txt")
+    with pytest.raises(SystemExit, match="neither a file nor one of"):
+        read_text_arg(str(tmp_path / "missing.txt"), "oscar eval: --text")
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(SystemExit, match="is empty"):
+        read_text_arg(str(tmp_path / "empty.txt"), "oscar eval: --text")
+    calib = "".join(f"sentence {i} of the calibration corpus. " for i in range(400))
+    assert overlapping(calib[5000:9000], "prefix " + calib + " suffix")  # a piece of it
+    assert not overlapping("".join(f"other text {i}. " for i in range(400)), calib)
