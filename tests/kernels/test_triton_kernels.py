@@ -179,6 +179,25 @@ def test_plan_bounds_temporaries_at_serving_scale(batch, tokens, max_len):
         assert plan.tile_tokens == 1 and (batch > 1 or plan.nsplit > 1)
 
 
+@pytest.mark.parametrize("batch,max_len", [(1, 4096), (1, 131072), (16, 4096), (32, 8192), (64, 4096), (32, 32768)])
+def test_gluon_decode_plan_fills_one_wave(batch, max_len):
+    # the Gluon decode kernel's plan on an H200 (132 SMs): one-warp programs when rows x KV heads cover the
+    # SMs, else 4-warp programs; every split a whole number of blocks, all programs in one wave
+    from oscar_compile.kernels import triton_attention as ta
+
+    geo = CacheGeometry(num_pages=batch * max_len // 16, batch_capacity=batch, max_pages=max_len // 16,
+                        **LLAMA3_8B_LAYER)
+    plan = plan_attention(batch, 32, 1, geo, 132, page_kernel="gluon")
+    cfg = plan.gluon
+    assert plan.page_kernel == "gluon" and cfg == (ta.GLUON_WIDE if batch * 8 >= 132 else ta.GLUON_NARROW)
+    assert plan.keys_per_split % cfg.keys_per_block == 0
+    assert plan.nsplit * plan.keys_per_split >= geo.max_pages * 16  # every page key in some split
+    assert batch * 8 * plan.nsplit <= cfg.per_sm * 132 or plan.nsplit == 1  # no second, nearly empty wave
+    assert plan.nsplit <= 128
+    prefill = plan_attention(batch, 32, 64, geo, 132, page_kernel="gluon")  # more than one token: Triton
+    assert prefill.page_kernel == "triton" and prefill.gluon is None
+
+
 def _row_subset(args: tuple, rows: list[int]) -> tuple:
     """``attention_args`` restricted to some batch rows (rows are independent; the page pools are shared)."""
     (q, pos, lens, kc, km, vc, vm, ks, vs, kr, vr, bt, *rest) = args
