@@ -26,7 +26,7 @@ from torch import fx
 from . import ops
 from .cache import LayerTransforms, PagedInt2KVCache
 from .passes.capacity import guard_writes, plan_checks
-from .passes.matcher import AttentionMatch, GraphAnalysis, analyze
+from .passes.matcher import AttentionMatch, GraphAnalysis, analyze, cache_sources
 from .passes.release import ReleasedBuffers
 from .passes.rewrite import Rewritten, rewrite
 
@@ -103,6 +103,9 @@ class OscarBackend:
         self.storage: dict[tuple, PagedInt2KVCache] = {}
         self.graphs: list[CompiledGraph] = []
         self.released = ReleasedBuffers()
+        # cache tensors by Dynamo source: "int2" once a graph rewrote their writes (they stop receiving tokens),
+        # "dense" once a graph wrote or read them unrewritten; a graph mixing the two is refused (_check_ownership)
+        self._cache_use: dict[str, str] = {}
         self._model = None  # weakref to the model attached by oscar_compile.compile (owner of releasable buffers)
 
     # ------------------------------------------------------------------ torch.compile entry
@@ -149,6 +152,7 @@ class OscarBackend:
             return record
         if self.artifacts is not None:
             self._check_artifact_layers(analysis)
+        self._check_ownership(analysis)
         rewritten = rewrite(gm, analysis, self._storage_for)
         self._refuse_released_uses(gm, example_inputs)
         if self.options.validate and example_inputs is not None:
@@ -200,6 +204,25 @@ class OscarBackend:
         for rec in self.released.release_dead(gm, example_inputs, candidates, owned):
             log.info("oscar: released %s (%.1f MiB): every read and write of it now goes to the INT2 cache",
                      rec.name, rec.nbytes / 2**20)
+
+    def _check_ownership(self, analysis: GraphAnalysis) -> None:
+        """Refuse a graph that would read or write a cache tensor densely after another graph moved its tokens
+        to INT2 storage, or the reverse: one of the two would miss the other's tokens. (transformers'
+        StaticCache sliding-window layers write with ``index_copy_`` until the window is full, then by
+        roll + ``copy_``, which oscar does not rewrite: without this check the later steps would attend to
+        a buffer that never received a token.)"""
+        int2, dense = cache_sources(analysis)
+        clash = sorted((int2 & {s for s, u in self._cache_use.items() if u == "dense"})
+                       | (dense & {s for s, u in self._cache_use.items() if u == "int2"}))
+        if clash:
+            raise UnsupportedGraphError(
+                f"oscar: this graph uses the cache tensor(s) {', '.join(clash[:4])} in a way that contradicts an "
+                "earlier graph: one of them moved its writes to oscar's INT2 cache and the other reads or writes the "
+                "tensor itself, so one would miss the other's tokens (a sliding-window layer of transformers' "
+                "StaticCache does this once its window is full). Use OscarCache (sliding-window layers "
+                "included), or see `oscar explain` for why the attention was not rewritten.")
+        self._cache_use.update({s: "int2" for s in int2})
+        self._cache_use.update({s: "dense" for s in dense})
 
     def _refuse_released_uses(self, gm: fx.GraphModule, example_inputs) -> None:
         if example_inputs is None or not self.released:
@@ -286,6 +309,7 @@ class OscarBackend:
         Graphs Dynamo still caches keep theirs alive: to free the memory, also ``torch._dynamo.reset()``."""
         self.storage.clear()
         self.graphs.clear()
+        self._cache_use.clear()
 
     def _log(self, rec: CompiledGraph) -> None:
         if log.isEnabledFor(logging.INFO):

@@ -114,9 +114,6 @@ class OscarCache(StaticCache):
 
     def __init__(self, model_or_config, max_cache_len: int, max_batch_size: int | None = None, dtype=None, device=None):
         config = _model_config(model_or_config)
-        if getattr(config, "sliding_window", None) and any(
-                t == "sliding_attention" for t in (getattr(config, "layer_types", None) or [])):
-            raise ValueError("oscar: OscarCache does not support sliding-window attention layers yet")
         if int(max_cache_len) < 1 or (max_batch_size is not None and int(max_batch_size) < 1):
             raise ValueError(f"oscar: max_cache_len and max_batch_size must be >= 1, got {max_cache_len} and {max_batch_size}")
         super().__init__(config=config, max_cache_len=max_cache_len)

@@ -254,6 +254,21 @@ def reference_attention(cache: PagedInt2KVCache):
     return attention_fn
 
 
+def register_reference_attention(name: str, cache: PagedInt2KVCache) -> None:
+    """Register :func:`reference_attention` as attention implementation ``name``, with masks that are never
+    skipped: transformers hands a custom implementation no mask where SDPA's ``is_causal`` would do, which
+    drops a sliding window."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def always_mask(*args, **kwargs):
+        kwargs["allow_is_causal_skip"] = False
+        return sdpa_mask(*args, **kwargs)
+
+    AttentionInterface.register(name, reference_attention(cache))
+    AttentionMaskInterface.register(name, always_mask)
+
+
 # ----------------------------------------------------------------------------- transformers helpers
 _COMMON = dict(vocab_size=97, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
                num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -288,11 +303,33 @@ def tiny_config(family: str):
     raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
 
 
+# Families whose configs mix sliding-window and full-attention layers (window 8: test prompts pass it).
+SLIDING_FAMILIES = ("mistral-window", "qwen2-window", "qwen3-window", "gemma3")
+
+
+def tiny_sliding_config(family: str, window: int = 8):
+    """A small config with sliding-window layers (random weights; pass and backend tests)."""
+    import transformers
+
+    if family == "mistral-window":  # every layer sliding
+        return transformers.MistralConfig(**_COMMON, sliding_window=window)
+    if family == "qwen2-window":  # layer 0 full, layer 1 sliding
+        return transformers.Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=window, max_window_layers=1)
+    if family == "qwen3-window":
+        return transformers.Qwen3Config(**_COMMON, head_dim=16, use_sliding_window=True, sliding_window=window,
+                                        max_window_layers=1)
+    if family == "gemma3":  # q/k norms, query_pre_attn_scalar, local + global layers
+        return transformers.Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=window, query_pre_attn_scalar=24,
+                                             layer_types=["sliding_attention", "full_attention"])
+    raise ValueError(f"unknown sliding-window family {family!r}; known: {SLIDING_FAMILIES}")
+
+
 def tiny_model(family: str, seed: int = 0, attn_implementation: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation=attn_implementation).eval()
+    config = tiny_sliding_config(family) if family in SLIDING_FAMILIES else tiny_config(family)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
 
 
 from .hf import cache_kwarg, make_hf_cache  # noqa: E402,F401  (re-exported for tests)

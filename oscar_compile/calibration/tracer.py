@@ -16,13 +16,17 @@ from .statistics import StatsObserver
 
 
 def hf_forward(model, batch: torch.Tensor):
-    """One calibration forward of a transformers causal LM: a prefill into a fresh DynamicCache."""
+    """One calibration forward of a transformers causal LM: a prefill into a fresh DynamicCache.
+
+    Built without the config, so every layer is a plain growing one: a sliding-window layer's own cache
+    crops to its window (an update the matcher does not model), while the model's masks still apply the
+    window over absolute positions."""
     from transformers import DynamicCache
 
     from ..hf import cache_kwarg
 
     inner = getattr(model, "_orig_mod", model)
-    return model(batch, **{cache_kwarg(inner): DynamicCache(config=inner.config)}, use_cache=True)
+    return model(batch, **{cache_kwarg(inner): DynamicCache()}, use_cache=True)
 
 
 @dataclass
@@ -82,6 +86,10 @@ def collect_statistics(
     layers = sorted(observer.layers)
     if layers != list(range(len(layers))):
         raise RuntimeError(f"oscar calibrate: attention layers {layers} are not numbered 0..{len(layers) - 1}")
+    expected = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if isinstance(expected, int) and len(layers) != expected:
+        raise RuntimeError(f"oscar calibrate: attention was matched in {len(layers)} of the model's {expected} layers "
+                           f"(layers {len(layers)}..{expected - 1} missing): run `oscar explain` to see why")
     first = observer.layers[0]
     fingerprint = model_fingerprint(model, len(layers), first.num_q_heads, first.num_kv_heads, first.head_dim)
     info = {"data": data_description, "tokens": tokens, "heldout_tokens": heldout, "batches": len(batches),

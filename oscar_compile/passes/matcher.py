@@ -532,3 +532,17 @@ def analyze(gm: fx.GraphModule) -> GraphAnalysis:
                 reason = "no attention in this graph reads this tensor"
             unmatched.append(Unmatched(node, "cache write", reason, _is_stub(node.args[0])))
     return GraphAnalysis(matches, unmatched, len(sdpas))
+
+
+def cache_sources(analysis: GraphAnalysis) -> tuple[set[str], set[str]]:
+    """Sources (graph inputs) of the cache tensors this graph's rewrite moves to INT2 storage, and of those
+    it leaves to be read or written densely. ``torch.cat`` caches are in neither (the rewrite keeps them growing)."""
+    int2 = {source_name(w.buffer) for m in analysis.matches for w in (m.key_write, m.value_write) if w.kind != "cat"}
+    dense = set()
+    for u in analysis.unmatched:
+        if u.kind == "attention":
+            a = sdpa_args(u.node)
+            dense |= {source_name(trace_read(x).buffer) for x in (a["key"], a["value"]) if isinstance(x, fx.Node)}
+        elif u.node.args and isinstance(u.node.args[0], fx.Node):
+            dense.add(source_name(u.node.args[0]))
+    return int2 - {None}, dense - {None}

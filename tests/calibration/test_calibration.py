@@ -113,7 +113,7 @@ def _batches(n=4, b=2, t=24):
     return [torch.randint(3, 90, (b, t), generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ("qwen2-window", "gemma3"))  # 24-token batches pass the window (8)
 def test_calibrate_each_family_and_compile_with_the_artifact(family, tmp_path):
     model = tiny_model(family)
     art = calibrate(model, _batches(), method="default", progress=False, data_description="random tokens")

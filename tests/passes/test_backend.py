@@ -2,17 +2,19 @@ import logging
 
 import pytest
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 
 import oscar_compile
 from oscar_compile import LayerTransforms, OscarCache, PagedInt2KVCache, UnsupportedGraphError, oscar_backend
 from oscar_compile.testing import (
     FAMILIES,
+    SLIDING_FAMILIES,
     TinyDecoder,
     hadamard_reference_cache,
     make_hf_cache,
     prefill_and_decode,
     reference_attention,
+    register_reference_attention,
     rel_error,
     tiny_model,
 )
@@ -151,6 +153,41 @@ def test_attention_without_sdpa_is_left_alone_with_its_cause():
     report = oscar_compile.explain(model, _ids(1, 5), max_new_tokens=2, cache="static")
     assert report.num_rewritten == 0 and report.num_unmatched > 0
     assert "no scaled_dot_product_attention call" in report.summary() and "eager" in report.summary()
+
+
+@pytest.mark.parametrize("family", SLIDING_FAMILIES)
+@pytest.mark.parametrize("prompt", [5, 13])  # shorter and longer than the window (8); 10 decode steps pass it
+def test_sliding_window_layers_through_oscar_cache(family, prompt):
+    # the model's own sliding masks over absolute positions: quantize-off equals eager, INT2 equals the ops
+    model = tiny_model(family)
+    ids = _ids(2, prompt, seed=prompt)
+    ref = prefill_and_decode(model, ids, make_hf_cache("dynamic", model, 32, 2), 10)
+    backend = oscar_backend(quantize=False, inductor=False)
+    got = prefill_and_decode(torch.compile(model, backend=backend), ids, make_hf_cache("oscar", model, 32, 2), 10)
+    assert all(len(g.rewritten) == 2 and not g.unmatched for g in backend.graphs)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+    torch._dynamo.reset()
+    opts = dict(num_sinks=2, window=3, page_size=4)  # pages, sinks and ring all reach past the model's window
+    backend = oscar_backend(inductor=False, **opts)
+    int2 = prefill_and_decode(torch.compile(model, backend=backend), ids, make_hf_cache("oscar", model, 32, 2), 10)
+    register_reference_attention("oscar_reference_masked", hadamard_reference_cache(model, 2, 32, **opts))
+    model.config._attn_implementation = "oscar_reference_masked"
+    try:  # a DynamicCache without the config keeps every key (no sliding layers): positions stay absolute
+        ops_ref = prefill_and_decode(model, ids, DynamicCache(), 10)
+    finally:
+        model.config._attn_implementation = "sdpa"
+    torch.testing.assert_close(int2, ops_ref, rtol=1e-4, atol=1e-4)  # same ops; fp32 summation order differs
+    assert rel_error(int2, ref) > 1e-3
+
+
+def test_static_cache_sliding_layer_is_refused_not_silently_wrong():
+    # transformers' StaticCache writes a sliding layer by index_copy_ until its window is full, then by
+    # roll + copy_: the later graph would read a buffer whose tokens went to INT2 storage
+    model = tiny_model("qwen2-window")
+    compiled = torch.compile(model, backend=oscar_backend(quantize=False, inductor=False))
+    with pytest.raises(Exception, match="contradicts an earlier graph"):
+        prefill_and_decode(compiled, _ids(2, 5), make_hf_cache("static", model, 32, 2), 10)
 
 
 def test_inductor_fullgraph_generate_with_oscar_cache():
