@@ -52,6 +52,28 @@ graph 0: 2 attention call(s), 2 rewritten, 0 attention / 0 cache write(s) left u
         self.assertIn("torch.ops.oscar.attention.default(", diff)
         self.assertNotIn("scaled_dot_product_attention", report.after(0))
 
+    def test_sliding_window_model_summary(self):
+        # Gemma 3: a local (sliding, bool mask) and a global layer, q/k norms, query_pre_attn_scalar scale
+        report = oscar_compile.explain(tiny_model("gemma3"), _ids(12), max_new_tokens=1, cache="oscar")
+        self.assertExpectedInline(report.summary(), """\
+graph 0: 2 attention call(s), 2 rewritten, 0 attention / 0 cache write(s) left unchanged
+    #  sdpa node              slot       cache write  q/kv heads    d  queries  mask      causal scale
+    0  attn_output            layer 0    index_copy_  6/2          16  12       bool      no     0.2041
+    1  attn_output_5          layer 1    index_copy_  6/2          16  12       bool      no     0.2041
+graph 1: 2 attention call(s), 2 rewritten, 0 attention / 0 cache write(s) left unchanged
+    #  sdpa node              slot       cache write  q/kv heads    d  queries  mask      causal scale
+    0  attn_output            layer 0    index_copy_  6/2          16  1        bool      no     0.2041
+    1  attn_output_5          layer 1    index_copy_  6/2          16  1        bool      no     0.2041""")
+
+    def test_sequence_major_cache_summary(self):
+        model = TinyDecoder(batch=1, layout="seq", write="slice")
+        report = oscar_compile.explain(model, _ids(5), torch.arange(5), 0)
+        self.assertExpectedInline(report.summary(), """\
+graph 0: 2 attention call(s), 2 rewritten, 0 attention / 0 cache write(s) left unchanged
+    #  sdpa node              slot       cache write  q/kv heads    d  queries  mask      causal scale
+    0  o                      layer 0    setitem [B,T,H,d] 4/2          16  5        bool      no     0.25
+    1  o_1                    layer 1    setitem [B,T,H,d] 4/2          16  5        bool      no     0.25""")
+
     def test_unmatched_reasons(self):
         def extra_read(kb, vb, pos, k, q):
             kb.index_copy_(2, pos, k)
