@@ -12,13 +12,17 @@ Design (issue 16; TurboMind's and Marlin's ideas, our code):
 * **Fragment-ordered codes** (:mod:`.fragment_order`): each thread loads 16 bytes a 16-key tile that
   are exactly its A-operand fragment; unpacking happens in registers and the layout conversion that
   assembles the operand moves no data (``convert_layout(..., assert_trivial=True)``).
-* **Magic-number unpack**: ``lop3`` puts a code pair into the mantissas of ``1024`` (fp16x2), one
-  ``fma`` makes it exact (codes at bit offset ``2k`` come out as ``1024 + 4^k c``): two instructions per
-  pair of codes, plus one shift per word.
+* **Subnormal unpack**: one AND leaves the code at bit offset ``2k`` of an fp16 half as the exact
+  subnormal ``4^k c 2^-24`` (tensor cores take fp16 subnormals): ``4^-k`` is folded into the query
+  (keys) or the output rows (values), ``2^24`` into the scale; one instruction per code pair. The
+  magic-number variant (``lop3`` into the mantissa of 1024, then an ``fma``) stays behind ``SUBNORMAL=False``.
 * **Scale and minimum outside the MMA** (one pair per row): ``s = scale (c . q) + min sum(q)`` and
-  ``O += (P scale) c + sum(P min)``; the MMAs run on raw codes 0..3.
-* **One warp, one stream of keys**: every warp runs its own online softmax over its own tiles (no
-  barrier in the loop); the warps of a program combine once at the end.
+  ``O += (P scale) c + sum(P min)``; the MMAs run on raw codes.
+* **Two launch shapes** (``GluonConfig`` in :mod:`.triton_attention`): one-warp programs, whose online
+  softmax rescales its state only when a running max grows (a warp-uniform branch), with the codes
+  ``STAGES`` blocks ahead through a ``cp.async`` ring in shared memory (each thread reads back only what
+  it copied); or several warps a program, each streaming its own tiles with register prefetch and
+  combining once at the end. Block-table entries are loaded a block ahead of the codes they address.
 """
 
 from __future__ import annotations

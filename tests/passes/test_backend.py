@@ -63,6 +63,21 @@ def test_int2_compiled_logits_equal_the_ops_called_directly(family):
     assert rel_error(got, bf16) > 1e-3  # and INT2 really was used
 
 
+def _int2_and_ops_reference(model: TinyDecoder, run, **compile_kw):
+    """``run`` through the INT2 backend, and through the oscar ops called directly (``model.reference``)."""
+    torch._dynamo.reset()
+    opts = dict(num_sinks=1, window=2, page_size=4)
+    int2 = run(torch.compile(model, backend=oscar_backend(inductor=False, **opts), **compile_kw))
+    model.reference = PagedInt2KVCache(2, 2, 16, max_batch_size=2, max_seq_len=64, dtype=torch.float32, **opts)
+    for layer in range(2):
+        model.reference.set_transforms(layer, LayerTransforms.hadamard(2, 16))
+        model.reference.allocate(0, 64), model.reference.allocate(1, 64)
+    try:
+        return int2, run(model)
+    finally:
+        model.reference = None
+
+
 def test_hand_written_decoder_with_its_own_buffers():
     model = TinyDecoder()
     ids = _ids(2, 7)
@@ -83,16 +98,7 @@ def test_hand_written_decoder_with_its_own_buffers():
         assert [len(g.rewritten) for g in backend.graphs] == [2, 2]
         assert {r.match.write_kind for g in backend.graphs for r in g.rewritten} == {"setitem"}
 
-        torch._dynamo.reset()
-        opts = dict(num_sinks=1, window=2, page_size=4)
-        backend = oscar_backend(inductor=False, **opts)
-        int2 = run(torch.compile(model, backend=backend))
-        model.reference = PagedInt2KVCache(2, 2, 16, max_batch_size=2, max_seq_len=64, dtype=torch.float32, **opts)
-        for layer in range(2):
-            model.reference.set_transforms(layer, LayerTransforms.hadamard(2, 16))
-            model.reference.allocate(0, 64), model.reference.allocate(1, 64)
-        ref = run(model)
-        model.reference = None
+        int2, ref = _int2_and_ops_reference(model, run)
     torch.testing.assert_close(int2, ref, rtol=1e-4, atol=1e-4)
     assert rel_error(int2, eager) > 1e-3
 
@@ -126,16 +132,7 @@ def test_hand_written_cache_layouts_and_write_idioms(layout, write):
         assert {r.match.write_kind for r in rewritten} == {_IDIOM_KIND[write]}
         assert {r.match.layout for r in rewritten} == {"sequence-major" if layout == "seq" else "head-major"}
 
-        torch._dynamo.reset()
-        opts = dict(num_sinks=1, window=2, page_size=4)
-        backend = oscar_backend(inductor=False, **opts)
-        int2 = run(torch.compile(model, backend=backend, dynamic=False))
-        model.reference = PagedInt2KVCache(2, 2, 16, max_batch_size=2, max_seq_len=64, dtype=torch.float32, **opts)
-        for layer in range(2):
-            model.reference.set_transforms(layer, LayerTransforms.hadamard(2, 16))
-            model.reference.allocate(0, 64), model.reference.allocate(1, 64)
-        ref = run(model)
-        model.reference = None
+        int2, ref = _int2_and_ops_reference(model, run, dynamic=False)
     # same ops, same order: only float reassociation differs
     torch.testing.assert_close(int2, ref, rtol=1e-4, atol=1e-4)
     assert rel_error(int2, eager) > 1e-3
