@@ -582,6 +582,12 @@ class GluonConfig:
     stages: int = 2
     per_sm: int = 16
 
+    def __post_init__(self):
+        if self.warps not in (1, 2, 4, 8) or self.tiles not in (1, 2, 4) or self.stages not in (1, 2, 4, 8) \
+                or self.per_sm < 1:
+            raise ValueError(f"oscar: Gluon launch shape {self}: warps 1/2/4/8, tiles 1/2/4, stages 1 (registers) or "
+                             "2/4/8 (a power of two: the shared-memory ring), per_sm >= 1")
+
     @property
     def keys_per_block(self) -> int:
         return self.warps * self.tiles * 16

@@ -196,6 +196,8 @@ def test_gluon_decode_plan_fills_one_wave(batch, max_len):
     assert plan.nsplit <= 128
     prefill = plan_attention(batch, 32, 64, geo, 132, page_kernel="gluon")  # more than one token: Triton
     assert prefill.page_kernel == "triton" and prefill.gluon is None
+    with pytest.raises(ValueError, match="power of two"):
+        ta.GluonConfig(stages=3)
 
 
 def _row_subset(args: tuple, rows: list[int]) -> tuple:
