@@ -91,18 +91,45 @@ class Session:
 
 # ----------------------------------------------------------------------------- perplexity
 @torch.no_grad()
-def perplexity_nll(session: Session, tokens: torch.Tensor, context: int, progress=None) -> tuple[float, int]:
-    """Sum of NLL and count over tokens ``context + 1 .. L - 1`` of ``tokens [B, L]`` (teacher-forced decode)."""
+def token_nll(session: Session, tokens: torch.Tensor, context: int, progress=None) -> torch.Tensor:
+    """NLL of each token ``context + 1 .. L - 1`` of ``tokens [B, L]`` (teacher-forced decode): ``[B, steps]``
+    float64 on the CPU."""
     b, length = tokens.shape
     if length - context - 1 < 1:
         raise ValueError(f"oscar eval: {length} tokens leave nothing to score after a {context}-token context")
     session(tokens[:, :context])
-    nll = torch.zeros((), dtype=torch.float64, device=tokens.device)  # summed on the device: no sync per step
     steps = range(context, length - 1)
-    for p in (progress(steps) if progress else steps):
+    out = torch.empty(b, len(steps), dtype=torch.float64, device=tokens.device)  # filled on the device: no sync a step
+    for i, p in enumerate(progress(steps) if progress else steps):
         logits = session(tokens[:, p : p + 1])
-        nll += torch.nn.functional.cross_entropy(logits, tokens[:, p + 1], reduction="sum")
-    return nll.item(), b * len(steps)
+        out[:, i] = torch.nn.functional.cross_entropy(logits, tokens[:, p + 1], reduction="none")
+    return out.cpu()
+
+
+def perplexity_nll(session: Session, tokens: torch.Tensor, context: int, progress=None) -> tuple[float, int]:
+    """Sum of NLL and count over tokens ``context + 1 .. L - 1`` of ``tokens [B, L]`` (teacher-forced decode)."""
+    nll = token_nll(session, tokens, context, progress)
+    return nll.sum().item(), nll.numel()
+
+
+def paired_delta(nll: torch.Tensor, base: torch.Tensor, block: int = 16) -> dict:
+    """A method's NLL against the baseline's on the same tokens (``[B, steps]`` each): the mean difference in
+    nats/token, as a perplexity change in percent with a 95% interval.
+
+    Neighbouring tokens' differences are correlated, so the standard error comes from the means of blocks of
+    ``block`` consecutive tokens of a sequence (batch means), which are close to independent; per token it
+    would be too narrow. Fewer than two blocks: no interval."""
+    if nll.shape != base.shape:
+        raise ValueError(f"oscar eval: paired NLLs need the same tokens, got shapes {tuple(nll.shape)} and {tuple(base.shape)}")
+    d = (nll - base).double()
+    mean = d.mean().item()
+    n_blocks = d.shape[1] // block
+    out = {"delta_nats": mean, "pct": 100 * math.expm1(mean), "blocks": d.shape[0] * n_blocks, "block_tokens": block}
+    if d.shape[0] * n_blocks >= 2:
+        means = d[:, : n_blocks * block].reshape(d.shape[0] * n_blocks, block).mean(1)
+        se = means.std().item() / math.sqrt(means.numel())
+        out["ci95_pct"] = [100 * math.expm1(mean - 1.96 * se), 100 * math.expm1(mean + 1.96 * se)]
+    return out
 
 
 # ----------------------------------------------------------------------------- retrieval
@@ -195,6 +222,7 @@ def run_eval(model, tok, methods: list[Method], eval_text: str, haystack_text: s
     t0 = time.perf_counter()
     max_ctx = max(cfg.ppl_contexts) if cfg.ppl_contexts else 0
     for context in cfg.ppl_contexts:
+        per_method = {}  # name -> (kind, per-token NLL, report row) at this context
         length = context + cfg.ppl_decode + 1
         # the same windows of text for every context length: consecutive blocks of the longest
         block = max_ctx + cfg.ppl_decode + 1
@@ -207,13 +235,19 @@ def run_eval(model, tok, methods: list[Method], eval_text: str, haystack_text: s
             torch._dynamo.reset()
             s = Session(model, m, tokens.shape[0], length, cfg.num_sinks, cfg.window)
             bar = (lambda it: tqdm(it, desc=f"ppl {m.name} @ {context}", unit="step", leave=False)) if progress else None
-            nll, n = perplexity_nll(s, tokens, context, bar)
+            per_token = token_nll(s, tokens, context, bar)
+            nll, n = per_token.sum().item(), per_token.numel()
             row = {"metric": "ppl", "method": m.name, "context": context, "ppl": math.exp(nll / n), "nll": nll / n,
                    "tokens": n, "bits_per_element": bits_per_element(model.config, m, length, cfg.num_sinks, cfg.window)}
+            per_method[m.name] = (m.kind, per_token, row)
             rows.append(row)
             if checkpoint:
                 checkpoint(_report(cfg, methods, rows, retrieval, t0, partial=True))
             log(f"ppl  context {context:>6}  {m.name:<20} {row['ppl']:10.3f}   ({row['bits_per_element']:.2f} bits/element)")
+        base = next((nll for kind, nll, _ in per_method.values() if kind == "bf16"), None)
+        for kind, nll, row in per_method.values():
+            if base is not None and kind != "bf16":  # same tokens: the difference is far tighter than either ppl
+                row["vs_bf16"] = paired_delta(nll, base)
     rng = random.Random(cfg.seed)
     prompts = [make_retrieval_prompt(tok, haystack_text, task, length, depth, rng)
                for task in cfg.retrieval_tasks for length in cfg.retrieval_lengths for depth in cfg.retrieval_depths
@@ -255,13 +289,17 @@ def format_report(report: dict) -> str:
         contexts = sorted({r["context"] for r in ppl})
         names = list(dict.fromkeys(r["method"] for r in ppl))
         base = {r["context"]: r["ppl"] for r in ppl if r["method"] == "bf16"}
-        lines.append("perplexity (teacher-forced decode; lower is better; in brackets: vs bf16)")
+        lines.append("perplexity (teacher-forced decode; lower is better; in brackets: vs bf16 on the same tokens, "
+                     "with the half-width of its 95% interval)")
         lines.append(f"  {'method':<30}" + "".join(f"{'ctx ' + str(c):>22}" for c in contexts) + f"{'bits/elem':>12}")
         for n in names:
             cells = []
             for c in contexts:
                 r = next((r for r in ppl if r["method"] == n and r["context"] == c), None)
                 rel = f" ({100 * (r['ppl'] / base[c] - 1):+.1f}%)" if r and c in base else ""
+                ci = (r or {}).get("vs_bf16", {}).get("ci95_pct")
+                if ci:  # the paired interval: half its width
+                    rel = f" ({r['vs_bf16']['pct']:+.1f}±{(ci[1] - ci[0]) / 2:.1f}%)"
                 cells.append(f"{r['ppl']:.3f}{rel}" if r else "-")
             bits = next(r["bits_per_element"] for r in ppl if r["method"] == n and r["context"] == contexts[-1])
             lines.append(f"  {n:<30}" + "".join(f"{c:>22}" for c in cells) + f"{bits:>12.2f}")

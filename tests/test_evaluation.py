@@ -1,10 +1,12 @@
 import math
 import random
 
+import pytest
 import torch
 
 from oscar_compile.baselines import KiviCache, KiviLayer, kivi_bits_per_element
 from oscar_compile.evaluation import (
+    paired_delta,
     EvalConfig,
     Method,
     Session,
@@ -143,3 +145,17 @@ def test_run_eval_checkpoints_after_every_method():
                       checkpoint=lambda rep: seen.append((len(rep["perplexity"]), len(rep["retrieval"]), rep["partial"])))
     assert seen == [(1, 0, True), (2, 0, True), (2, 1, True), (2, 2, True)]
     assert "partial" not in report and [r["method"] for r in report["perplexity"]] == ["bf16", "hadamard"]
+
+
+def test_paired_delta_interval_covers_a_known_shift_and_uses_blocks():
+    gen = torch.Generator().manual_seed(0)
+    base = torch.rand(8, 64, generator=gen, dtype=torch.float64) * 3
+    shifted = base + 0.01 + 0.02 * torch.randn(8, 64, generator=gen, dtype=torch.float64)
+    r = paired_delta(shifted, base)
+    assert r["blocks"] == 8 * 4 and r["block_tokens"] == 16
+    lo, hi = r["ci95_pct"]
+    assert lo < 100 * math.expm1(0.01) < hi and hi - lo < 0.5  # a 1% shift, resolved to well under a point
+    assert math.isclose(r["pct"], 100 * math.expm1((shifted - base).mean().item()))
+    assert "ci95_pct" not in paired_delta(base[:1, :20], base[:1, :20])  # one block: no interval
+    with pytest.raises(ValueError, match="same tokens"):
+        paired_delta(base, base[:, :10])
