@@ -510,15 +510,14 @@ def _as_words(codes: torch.Tensor) -> torch.Tensor:
                          f"(got shape {tuple(codes.shape)}, strides {codes.stride()}): {e}") from None
 
 
-def num_splits(batch: int, kv_heads: int, m_blocks: int, page_keys: int, block_n: int, sms: int,
-               per_sm: int = 2) -> int:
-    """Splits of the page region so that even one long sequence fills the GPU's ``sms`` SMs with about
-    ``per_sm`` programs each (from shapes only)."""
+def num_splits(batch: int, kv_heads: int, m_blocks: int, page_keys: int, block_n: int, sms: int) -> int:
+    """Splits of the Triton page region so that even one long sequence fills the GPU's ``sms`` SMs (from
+    shapes only; the Gluon kernel's are :meth:`GluonConfig.splits`)."""
     base = max(1, batch * kv_heads * m_blocks)
-    # Triton page kernel: about two programs per SM (two fit at ~250 registers). Four, the earlier choice,
-    # measured slower on the H200 (results/decode_attention_h200_probe.json, half the splits: 1 x 128K 181
-    # vs 207 us, 1 x 32K 80 vs 87, 32 x 32K 1101 vs 1111, 64 x 4K 348 vs 344).
-    want = -(-per_sm * sms // base)
+    # About two programs per SM (two fit at ~250 registers). Four, the earlier choice, measured slower on
+    # the H200 (results/decode_attention_h200_probe.json, half the splits: 1 x 128K 181 vs 207 us,
+    # 1 x 32K 80 vs 87, 32 x 32K 1101 vs 1111, 64 x 4K 348 vs 344).
+    want = -(-2 * sms // base)
     most = max(1, -(-page_keys // (4 * block_n)))  # at least four key blocks per split
     return int(max(1, min(want, most, 128)))
 
@@ -570,7 +569,6 @@ class AttentionPlan:
 BF16_BLOCK_N = 64
 
 
-
 @dataclass(frozen=True)
 class GluonConfig:
     """Launch shape of the Gluon decode kernel: warps a program, 16-key tiles a warp and block, code
@@ -614,6 +612,8 @@ GLUON = GluonConfig(**json.loads(os.environ["OSCAR_GLUON_CONFIG"])) if os.enviro
 def gluon_config(programs: int, sms: int) -> GluonConfig:
     """The Gluon kernel's launch shape for ``programs`` (rows x KV heads) on ``sms`` SMs."""
     return GLUON or (GLUON_WIDE if programs >= sms else GLUON_NARROW)
+
+
 # "auto": the Gluon kernel for the decode steps it takes, else "triton" everywhere (read once).
 PAGE_KERNEL = os.environ.get("OSCAR_PAGE_KERNEL", "auto")
 
@@ -682,15 +682,16 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
     # Query blocks alone fill the GPU (prefill): splitting the keys would only add partial states to merge.
     filled = b * h * m_blocks >= 2 * sms
     page_kernel = page_kernel if tq == 1 else "triton"  # the Gluon kernel takes one query token a row
+    gluon = gluon_config(b * h, sms) if page_kernel == "gluon" else None
     if splits:
         nsplit = int(splits)
-    elif page_kernel == "gluon":
-        nsplit = gluon_config(b * h, sms).splits(b * h, page_keys, sms)
+    elif gluon is not None:
+        nsplit = gluon.splits(b * h, page_keys, sms)
     elif filled:
         nsplit = 1
     else:
         nsplit = num_splits(b, h, page_m_blocks, page_keys, block_n, sms)
-    unit = gluon_config(b * h, sms).keys_per_block if page_kernel == "gluon" else block_n  # whole blocks a split
+    unit = gluon.keys_per_block if gluon is not None else block_n  # whole blocks a split
     keys_per_split = triton.cdiv(triton.cdiv(page_keys, nsplit), unit) * unit
     if filled and not splits:
         bf16_per_split = triton.cdiv(bf16_keys, BF16_BLOCK_N) * BF16_BLOCK_N
@@ -704,8 +705,7 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
     rows = b * h * m_total
     temp = rows * d * 2 + rows * (nsplit + nb) * (d + 2) * 4  # qq (fp16) + partial o, m, l (fp32)
     return AttentionPlan(tq, m_total, block_m, m_blocks, page_m, page_m_blocks, block_n, nsplit, keys_per_split,
-                         bf16_per_split, nb, temp, page_kernel,
-                         gluon_config(b * h, sms) if page_kernel == "gluon" else None)
+                         bf16_per_split, nb, temp, page_kernel, gluon)
 
 
 def plan_attention(b: int, hq: int, t: int, geo, device, block_n: int | None = None, splits: int | None = None,

@@ -7,13 +7,13 @@ dimension) to a cache tensor, and that tensor to the single write that fills it 
 
 * ``buf.index_copy_(2, positions, new)``            (transformers ``StaticCache``)
 * ``buf[:, :, positions] = new`` / ``buf[:, :, a:b] = new``   (gpt-fast style buffers)
-* ``buf.index_put_((None, None, positions), new)``
+* ``torch.ops.aten.index_put_(buf, [None, None, positions], new)`` (eager ``Tensor.index_put_`` takes no None)
 * ``torch.cat((past, new), dim=-2)``                (transformers ``DynamicCache``)
 
 Caches are head-major ``[batch, heads, seq, d]`` or sequence-major ``[batch, seq, heads, d]`` (Meta's
 reference Llama, flash-attn style code): the latter are read through ``transpose(1, 2)`` (or
 ``permute(0, 2, 1, 3)``), possibly after a slice ``[:, :n]``, and written along dim 1 by the same three
-idioms (``index_copy_(1, ...)``, ``buf[:, positions] = new``, ``index_put_((None, positions), new)``).
+idioms (``index_copy_(1, ...)``, ``buf[:, positions] = new``, ``aten.index_put_(buf, [None, positions], new)``).
 
 Anything that does not fit is reported with a reason in plain words and left untouched.
 Nothing here changes the graph; :mod:`.rewrite` does.
