@@ -272,19 +272,24 @@ def _online_softmax(s, m_i, l_i):
 # specialised: Triton would otherwise compile a variant per value class (1, multiple of 16, other) of
 # each, i.e. recompile on new prompt lengths while serving. So are strides that follow those sizes (positions,
 # block table, mask rows); the other strides keep their specialisation (vector loads).
-@triton.jit(do_not_specialize=["M_TOTAL"])
-def _query_kernel(q_ptr, sq_b, sq_h, sq_t, bq_ptr, qq_ptr, M_TOTAL, qk_scale, H: tl.constexpr, G: tl.constexpr,
+@triton.jit(do_not_specialize=["M_TOTAL", "ROWS"])
+def _query_kernel(q_ptr, sq_b, sq_h, sq_t, bq_ptr, qq_ptr, M_TOTAL, ROWS, qk_scale, H: tl.constexpr, G: tl.constexpr,
                   D: tl.constexpr, BLOCK_M: tl.constexpr, KC: tl.constexpr):
-    """``q' = q B_q * scale * log2(e)`` once per row (not once per split), in the tensor-core dtype."""
-    pid_bh = tl.program_id(0)
-    b = (pid_bh // H).to(tl.int64)  # q may pass 2^31 elements (64 x 32 heads x 8K x 128)
-    h = pid_bh % H
-    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = r < M_TOTAL
+    """``q' = q B_q * scale * log2(e)`` once per row (not once per split), in the tensor-core dtype.
+
+    A program takes ``BLOCK_M`` rows of one KV head across batch rows (row ``i`` = batch ``i // M_TOTAL``,
+    query row ``i % M_TOTAL``): a decode step has only G rows per batch row, and one program per
+    (batch row, KV head) read ``B_q`` for 4 useful rows of 16 (H200, 64 x 4K: 11.8 us)."""
+    h = tl.program_id(1)
+    i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = i < ROWS
+    i = tl.where(row_ok, i, 0)
+    b = (i // M_TOTAL).to(tl.int64)  # q may pass 2^31 elements (64 x 32 heads x 8K x 128)
+    r = i % M_TOTAL
     q_off = b * sq_b + (h * G + r % G) * sq_h + (r // G) * sq_t
     qq = _rowmajor_matmul(q_ptr, q_off, row_ok, bq_ptr + h * D * D, BLOCK_M, D, KC) * qk_scale
     dcol = tl.arange(0, D)
-    tl.store(qq_ptr + (pid_bh * M_TOTAL + r)[:, None] * D + dcol[None, :], qq.to(qq_ptr.dtype.element_ty),
+    tl.store(qq_ptr + ((b * H + h) * M_TOTAL + r)[:, None] * D + dcol[None, :], qq.to(qq_ptr.dtype.element_ty),
              mask=row_ok[:, None])
 
 
@@ -412,10 +417,11 @@ def _attn_kernel(
                 if ALIGNED:  # rows start on 16 bytes (all three buffers): vector loads despite the select
                     kb = tl.multiple_of(kb, 16)
                     vb = tl.multiple_of(vb, 16)
+                # values are loaded with the keys, not after the softmax: one memory round trip a block, not two
                 k = tl.load(kb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
+                v = tl.load(vb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
                 s = tl.where(vis, tl.dot(qq, tl.trans(k)) + bias, float("-inf"))
                 p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
-                v = tl.load(vb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
                 acc = tl.dot(p.to(DT), v, acc * alpha[:, None])
                 m_i = m_new
 
@@ -426,20 +432,24 @@ def _attn_kernel(
     tl.store(part_o_ptr + base[:, None] * D + uperm[None, :], acc, mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["sp_b", "M_TOTAL", "NS"])
+@triton.jit(do_not_specialize=["sp_b", "M_TOTAL", "ROWS", "NS"])
 def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, so_b, so_h, so_t, pos_ptr, sp_b,
-                  M_TOTAL, NS, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                  M_TOTAL, ROWS, NS, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                   BLOCK_M: tl.constexpr, KC: tl.constexpr, SB: tl.constexpr):
     """Combine the splits' partial softmax states of ``BLOCK_M`` rows, un-rotate and write the output.
 
-    Splits are read ``SB`` at a time (``[BLOCK_M, SB, D]`` tiles): a batch-1 decode has ~70 splits, and
-    one load round trip per split cost 34 us of 207 at 1 x 128K on the H200 (25 us in tiles)."""
-    pid_bh = tl.program_id(0)
-    b = (pid_bh // H).to(tl.int64)  # the output may pass 2^31 elements
-    h = pid_bh % H
-    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = r < M_TOTAL
-    rbase = (pid_bh * M_TOTAL + r) * NS
+    Rows are those of one KV head across batch rows, as in :func:`_query_kernel` (``B_o`` is read once
+    for 16 rows, not for a decode step's 4). Splits are read ``SB`` at a time (``[BLOCK_M, SB, D]``
+    tiles): a batch-1 decode has ~70 splits, and one load round trip per split cost 34 us of 207 at
+    1 x 128K on the H200 (25 us in tiles)."""
+    h = tl.program_id(1)
+    i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = i < ROWS
+    i = tl.where(row_ok, i, 0)
+    b = (i // M_TOTAL).to(tl.int64)  # the output may pass 2^31 elements
+    r = i % M_TOTAL
+    # the partial states are bounded by the launcher's temporary budget: int32 offsets
+    rbase = (((i // M_TOTAL) * H + h) * M_TOTAL + r) * NS
     # No reductions inside the loops (accumulate elementwise, reduce once after): Triton 3.6 asserts in
     # OptimizeThreadLocality on a loop-carried reduction over a 3-D tile (d = 64).
     sb = tl.arange(0, 64)
@@ -463,7 +473,7 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, 
     o = tl.sum(o3, 1)
     denom = tl.sum(den2, 1)
     row_t = r // G
-    pos = tl.load(pos_ptr + b * sp_b + tl.where(row_ok, row_t, 0), mask=row_ok, other=-1)
+    pos = tl.load(pos_ptr + b * sp_b + row_t, mask=row_ok, other=-1)
     # zeros for padding and rows that see no key; a NaN row (non-finite keys/values) stays NaN, as in BF16 attention
     has = ((denom > 0) | (denom != denom)) & (pos >= 0)
     o = o / tl.where(has, denom, 1.0)[:, None]
@@ -476,7 +486,7 @@ def _merge_kernel(part_m_ptr, part_l_ptr, part_o_ptr, bo_ptr, muv_ptr, out_ptr, 
     out = out + tl.load(muv_ptr + h * D + dcol)[None, :]
     out = tl.where(has[:, None], out, 0.0)
     row_hq = h * G + r % G
-    optr = out_ptr + b * so_b + row_hq[:, None] * so_h + row_t[:, None] * so_t + dcol[None, :]
+    optr = out_ptr + (b * so_b + row_hq * so_h + row_t * so_t)[:, None] + dcol[None, :]
     tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -755,7 +765,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      k_chunk=None, v_chunk=None, chunk_positions=None, block_n: int | None = None,
                      splits: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                      dot_dtype: torch.dtype = torch.float16, ablate: int = 0, unpack: str | None = None,
-                     maxnreg: int | None = None, page_warps: int | None = None,
+                     maxnreg: int | None = None, page_warps: int | None = None, bf16_warps: int | None = None,
                      temp_budget: int = TEMP_BYTES_BUDGET, page_kernel: str | None = None):
     """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
 
@@ -820,20 +830,23 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      k_sink, v_sink, k_ring, v_ring, block_table,
                      None if mask is None else mask[:, :, t0:t1], mask_kind, mask_len, bq, bo, muv, is_causal, scale,
                      qq, part_m, part_l, part_o, out[:, :, t0:t1], geo, h, g, d, dt, use_asm, aligned, ablate,
-                     num_warps, num_stages, maxnreg, page_warps, has_chunk, fragment_order.in_fragment_order(k_codes))
+                     num_warps, num_stages, maxnreg, page_warps, bf16_warps, has_chunk,
+                     fragment_order.in_fragment_order(k_codes))
     return out
 
 
 def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring,
                  block_table, mask, mask_kind, mask_len, bq, bo, muv, is_causal, scale, qq, part_m, part_l, part_o,
-                 out, geo, h, g, d, dt, use_asm, aligned, ablate, num_warps, num_stages, maxnreg, page_warps,
+                 out, geo, h, g, d, dt, use_asm, aligned, ablate, num_warps, num_stages, maxnreg, page_warps, bf16_warps,
                  has_chunk, frag):
     """The four launches of one query tile: rotate queries, page region (Gluon or Triton), BF16 keys, merge."""
     b = q.shape[0]
     m_total, ns = plan.m_total, plan.ns
     smk = mask.stride() if mask is not None else (0, 0, 0, 0)
-    _query_kernel[(b * h, plan.m_blocks)](q, q.stride(0), q.stride(1), q.stride(2), bq, qq, m_total, scale * LOG2E,
-                                          H=h, G=g, D=d, BLOCK_M=plan.block_m, KC=min(d, 64))
+    rows = b * m_total  # a KV head's query rows, over all batch rows
+    _query_kernel[(triton.cdiv(rows, plan.block_m), h)](q, q.stride(0), q.stride(1), q.stride(2), bq, qq, m_total, rows,
+                                                        scale * LOG2E, H=h, G=g, D=d, BLOCK_M=plan.block_m,
+                                                        KC=min(d, 64))
     args = (
         qq, pos, pos.stride(0), lens, lens.stride(0),
         c0, c_end, kch, vch, kch.stride(0), kch.stride(1), kch.stride(2),
@@ -861,14 +874,14 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
         LAST_LAUNCH["attention"] = _attn_kernel[(b * h, plan.page_m_blocks, plan.nsplit)](
             *args, REGION=0, BLOCK_M=plan.page_m, BLOCK_N=plan.block_n, **meta, **page_opts)
     LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, plan.m_blocks, plan.nb)](
-        *args, REGION=1, BLOCK_M=plan.block_m, BLOCK_N=BF16_BLOCK_N, num_warps=num_warps or 4, **meta)
+        *args, REGION=1, BLOCK_M=plan.block_m, BLOCK_N=BF16_BLOCK_N, num_warps=bf16_warps or num_warps or 4, **meta)
     merge_m = 16
     # A decode step (one row block) merges many splits (~66 at batch 1) in few programs: read twice as
     # many splits a step with twice the warps (same registers a thread). H200, 1 x 128K: the merge took
     # 25 us of 98 with 4 splits a step.
     decode = m_total <= merge_m
-    LAST_LAUNCH["merge"] = _merge_kernel[(b * h, triton.cdiv(m_total, merge_m))](
+    LAST_LAUNCH["merge"] = _merge_kernel[(triton.cdiv(rows, merge_m), h)](
         part_m, part_l, part_o, bo, muv, out, out.stride(0), out.stride(1), out.stride(2), pos, pos.stride(0),
-        m_total, ns, H=h, G=g, D=d, BLOCK_M=merge_m, KC=min(d, 32), SB=max(1, (1024 if decode else 512) // d),
+        m_total, rows, ns, H=h, G=g, D=d, BLOCK_M=merge_m, KC=min(d, 32), SB=max(1, (1024 if decode else 512) // d),
         num_warps=8 if decode else 4,
     )
