@@ -176,6 +176,12 @@ class PagedInt2KVCache:
         identity_block_table: give row ``b`` the pages ``[b * max_pages, (b + 1) * max_pages)``
             up front (the static-cache special case used by compiled models).
         quantize: ``False`` keeps every token in the ring (BF16 in place of INT2; for checks).
+        sliding_window: the layer attends to its last ``sliding_window`` positions only (a query at ``i``
+            sees keys ``i - sliding_window < j <= i``, transformers' sliding-window layers). Its storage is
+            then a BF16 ring of ``sliding_window + max_chunk - 1`` tokens and nothing else: no sinks, no
+            pages, memory independent of the context; tokens leaving the ring are dropped, since no later
+            query can see them. ``max_chunk``: most tokens one :meth:`store` call may write to such a layer
+            (a longer prompt is prefilled in chunks); a larger call raises :class:`CacheCapacityError`.
         dtype: dtype of sinks and ring; meta_dtype: dtype of scales and minimums.
     """
 
@@ -194,6 +200,8 @@ class PagedInt2KVCache:
         num_pages: int | None = None,
         identity_block_table: bool = False,
         quantize: bool = True,
+        sliding_window: int | None = None,
+        max_chunk: int = 2048,
         dtype: torch.dtype = torch.bfloat16,
         meta_dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
@@ -209,17 +217,25 @@ class PagedInt2KVCache:
                 raise ValueError(f"oscar: {name} must be >= 1, got {val}")
         if num_sinks < 0 or window < 0:
             raise ValueError(f"oscar: num_sinks and window must be >= 0, got {num_sinks} and {window}")
-        if not quantize:
+        if sliding_window is not None:
+            if int(sliding_window) < 1 or int(max_chunk) < 1:
+                raise ValueError(f"oscar: sliding_window and max_chunk must be >= 1, got {sliding_window} and {max_chunk}")
+            # The ring holds the window before a chunk plus the chunk: whatever a query of the chunk can see.
+            num_sinks, window = 0, min(int(sliding_window) + int(max_chunk) - 1, max_seq_len)
+        elif not quantize:
             window = max(window, max_seq_len)  # every token stays in the BF16 ring: nothing is evicted
+        self.sliding_window = None if sliding_window is None else int(sliding_window)
+        self.max_chunk = int(max_chunk)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_batch_size, self.max_seq_len, self.page_size = max_batch_size, max_seq_len, page_size
         self.num_sinks, self.window, self.group_size = num_sinks, window, group_size
         self.quantize, self.dtype, self.meta_dtype = quantize, dtype, meta_dtype
         self.device = torch.device(device)
         # A row of length L owns pages for its quantized positions S .. L - W - 1. Keep >= 1 page so
-        # no tensor is zero-sized (kernels index them unconditionally behind masks).
-        self.max_pages = max(1, self.pages_for(max_seq_len))
-        self.num_pages = max_batch_size * self.max_pages if num_pages is None else int(num_pages)
+        # no tensor is zero-sized (kernels index them unconditionally behind masks); a sliding-window
+        # layer has a block table of width 0 (no pages: the ops drop what leaves the ring) and a 1-page pool.
+        self.max_pages = 0 if self.sliding_window else max(1, self.pages_for(max_seq_len))
+        self.num_pages = max(1, max_batch_size * self.max_pages) if num_pages is None else int(num_pages)
         if self.num_pages < 1:
             raise ValueError(f"oscar: num_pages must be >= 1, got {num_pages}")
 
@@ -253,12 +269,17 @@ class PagedInt2KVCache:
 
     # ---------------------------------------------------------------- pages
     def pages_for(self, length: int) -> int:
-        """Pages a row of ``length`` tokens owns."""
+        """Pages a row of ``length`` tokens owns (none in a sliding-window layer)."""
+        if self.sliding_window:
+            return 0
         return math.ceil(max(0, length - self.num_sinks - self.window) / self.page_size)
 
     @property
     def capacity_tokens(self) -> int:
-        """Tokens one row can hold at most (sinks + window + its block-table width in pages)."""
+        """Tokens one row can hold at most (sinks + window + its block-table width in pages; a
+        sliding-window layer: ``max_seq_len``, its ring keeps what its window can see)."""
+        if self.sliding_window:
+            return self.max_seq_len
         return self.num_sinks + self.window + self.max_pages * self.page_size
 
     def _take_pages(self, row: int, count: int) -> None:
@@ -321,6 +342,11 @@ class PagedInt2KVCache:
         Returns the transformed chunk ``(k', v') [B, T, kv_heads, d]``; pass it to :meth:`attention`
         as ``chunk=(k', v', positions)`` so the chunk attends to itself exactly.
         """
+        if self.sliding_window and positions.shape[-1] > self.max_chunk:
+            raise CacheCapacityError(
+                f"oscar: a sliding-window layer of this cache takes at most max_chunk={self.max_chunk} new tokens a "
+                f"call (its ring holds the window of {self.sliding_window} before them), got {positions.shape[-1]}: "
+                "prefill longer prompts in chunks, or make the cache with a larger max_chunk")
         return ops.store(*self.store_args(layer, k, v, positions))
 
     def attention_args(self, layer: int, q: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor | None = None,
@@ -331,9 +357,18 @@ class PagedInt2KVCache:
         scale = self.head_dim**-0.5 if scale is None else float(scale)
         if seq_lens is None:
             seq_lens = (positions.amax(dim=-1) + 1).clamp(min=0).reshape(-1)
+        if self.sliding_window and attn_mask is None:
+            attn_mask = self.sliding_mask(positions, int(seq_lens.max()) if seq_lens.numel() else 0)
         k_chunk, v_chunk, chunk_positions = chunk if chunk is not None else (None, None, None)
         return (q, positions, seq_lens, *self._op_args(layer), tr.query_transform, tr.output_transform, tr.value_mean,
                 attn_mask, is_causal, scale, k_chunk, v_chunk, chunk_positions)
+
+    def sliding_mask(self, positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+        """``[B, 1, T, num_keys]`` bool: query at ``i`` sees keys ``i - sliding_window < j <= i`` (what
+        transformers' sliding-window layers mask; :meth:`attention` uses it when given no mask)."""
+        pos = positions.reshape(-1, positions.shape[-1])[:, None, :, None]
+        j = torch.arange(num_keys, device=positions.device)
+        return (j <= pos) & (j > pos - self.sliding_window)
 
     def attention(
         self,

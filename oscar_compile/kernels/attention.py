@@ -12,6 +12,8 @@ Semantics, per sequence row ``b``:
   head ``h // (Hq / Hkv)``), scores ``s = scale * q'.k'``. An optional ``attn_mask`` (bool: True
   keeps, or additive float), broadcastable to ``[B, Hq, T, Lk]``, indexes *logical* key positions;
   keys ``j >= Lk`` are not visible (so a mask over a shorter key view means what SDPA means).
+* A cache without pages (block table of width 0) has dropped the keys that left its ring: key
+  ``S <= j < min(L_b - W, first chunk position)`` is not visible (a sliding-window layer's storage).
 * ``k_chunk, v_chunk`` (optional, ``[B, T', H, d]``, what ``store`` returned) hold the newest tokens
   at ``chunk_positions`` exactly: those keys are read from them, not from the (maybe quantized)
   cache, so a prefill chunk attends to itself in full precision.
@@ -45,7 +47,10 @@ def gather_history(
     out = torch.zeros(nb, max_len, geo.num_kv_heads, geo.head_dim, dtype=torch.float32, device=dev)
     n_sink = min(s, max_len)
     out[:, :n_sink] = sink[:nb, :n_sink].float()
-    if max_len > s:
+    if max_len > s and geo.drops_evicted:  # no pages: only the ring (the caller hides dropped positions)
+        if w > 0:
+            out[:, s:] = ring[:nb][:, j[s:] % w].float()
+    elif max_len > s:
         jq = j[s:] - s  # quantized index of every non-sink position
         logical = torch.div(jq, ps, rounding_mode="floor").clamp(max=geo.max_pages - 1)
         pages = block_table[:nb].long()[:, logical].clamp(min=0)  # [B, L - S]; unowned -> masked below
@@ -117,6 +122,12 @@ def attention_reference(
     qt = torch.einsum("bhgtd,hde->bhgte", q.float().reshape(b, h, g, t, d), query_transform.float())
     key_pos = torch.arange(max_len, device=q.device)
     visible_len = key_pos[None, :] < lengths[:, None]  # [B, L]
+    if geo.drops_evicted:  # keys that left the ring before the chunk (the chunk's own keys are kept) are gone
+        first_kept = lengths - geo.window
+        if k_chunk is not None:
+            c0 = torch.where(cpos >= 0, cpos, lengths[:, None]).amin(-1)
+            first_kept = torch.minimum(first_kept, c0)
+        visible_len &= (key_pos[None, :] < geo.num_sinks) | (key_pos[None, :] >= first_kept[:, None])
     mask = None
     if attn_mask is not None:
         mask = attn_mask[..., :max_len]

@@ -30,9 +30,20 @@ class CacheGeometry:
         return self.head_dim // self.num_groups
 
     @property
+    def drops_evicted(self) -> bool:
+        """A cache without pages (a block table of width 0) keeps its sinks and its ring only: a token
+        leaving the ring is dropped, not quantized (a sliding-window layer whose window fits the ring)."""
+        return self.max_pages == 0
+
+    @property
     def capacity(self) -> int:
-        """Tokens one row can hold: sinks + window + its block-table width in pages."""
+        """Tokens one row can hold: sinks + window + its block-table width in pages (unbounded without pages)."""
+        if self.drops_evicted:
+            return UNBOUNDED
         return self.num_sinks + self.window + self.max_pages * self.page_size
+
+
+UNBOUNDED = 2**62  # positions of a cache that drops what leaves its ring never run out
 
 
 def _fail(msg: str, exc=ValueError):
@@ -71,6 +82,8 @@ def check_cache(k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring
         )
     if block_table.dtype not in (torch.int32, torch.int64) or block_table.dim() != 2:
         _fail(f"block_table must be int32 [batch, max_pages], got {block_table.dtype} {tuple(block_table.shape)}")
+    if block_table.shape[1] == 0 and k_ring.shape[1] == 0:
+        _fail("a cache without pages (block table of width 0) needs a ring: it would keep nothing but its sinks")
     if block_table.shape[0] != k_sink.shape[0]:
         _fail(f"block_table has {block_table.shape[0]} rows but the sink/ring buffers have {k_sink.shape[0]}")
     return CacheGeometry(

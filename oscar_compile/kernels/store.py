@@ -13,6 +13,8 @@ Semantics (DESIGN.md section 3), per sequence row ``b``; ``S`` sinks, ``W`` wind
   cache-dtype rounded value the ring would have held, so chunking never changes the result).
 * Negative positions are padding and are skipped. The valid positions of a row must be
   consecutive and continue that row's history (as every KV cache writes them).
+* A cache with no pages (block table of width 0) drops a token that leaves the ring instead of
+  quantizing it: the storage of a sliding-window layer whose window fits the ring (DESIGN.md section 3).
 * Capacity: a position past what the row can hold (``num_sinks + window + max_pages * page_size``),
   or one whose page the row does not own, raises :class:`CacheCapacityError` before any row of the
   batch is written. (Compiled models check on the host before the graph runs, see
@@ -73,7 +75,7 @@ def _capacity_text(geo: CacheGeometry) -> str:
 
 
 def _write_pages(geo, codes, meta, block_table, row, quant_index, rows_fp, clip, kind):
-    if quant_index.numel() == 0:
+    if quant_index.numel() == 0 or geo.drops_evicted:  # no pages: what leaves the ring is dropped
         return
     pages, slots = _page_slots(geo, block_table, row, quant_index)
     packed, scale, minimum = quantize_int2(rows_fp, geo.group_size, clip, meta_dtype=meta.dtype)
@@ -99,7 +101,7 @@ def _row_spans(geo: CacheGeometry, pos: torch.Tensor, block_table: torch.Tensor)
         if not torch.equal(p, torch.arange(first, last + 1, dtype=p.dtype, device=p.device)):
             raise ValueError(f"oscar: positions of row {b} must be consecutive, got {p.tolist()[:16]}")
         newest_quantized = last - geo.window - geo.num_sinks  # quantized index of the last page token
-        if newest_quantized >= 0:
+        if newest_quantized >= 0 and not geo.drops_evicted:
             lo = max(0, first - geo.window - geo.num_sinks)
             _page_slots(geo, block_table, b, torch.arange(lo, newest_quantized + 1, device=p.device))
         spans.append((b, valid, p))

@@ -568,7 +568,7 @@ class AttentionPlan:
     bf16_per_split: int
     nb: int
     temp_bytes: int  # what one tile allocates (qq + partial states)
-    page_kernel: str = "triton"  # which kernel reads the INT2 pages: "gluon" (decode, gluon_decode.py) or "triton"
+    page_kernel: str = "triton"  # which kernel reads the INT2 pages: "gluon" (decode, gluon_decode.py), "triton" or "none"
     gluon: GluonConfig | None = None  # the Gluon kernel's launch shape (page_kernel "gluon")
 
     @property
@@ -693,7 +693,9 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
     filled = b * h * m_blocks >= 2 * sms
     page_kernel = page_kernel if tq == 1 else "triton"  # the Gluon kernel takes one query token a row
     gluon = gluon_config(b * h, sms) if page_kernel == "gluon" else None
-    if splits:
+    if geo.drops_evicted:  # no pages (a sliding-window layer's ring-only storage): no page region at all
+        nsplit, gluon, page_kernel = 0, None, "none"
+    elif splits:
         nsplit = int(splits)
     elif gluon is not None:
         nsplit = gluon.splits(b * h, page_keys, sms)
@@ -702,7 +704,7 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
     else:
         nsplit = num_splits(b, h, page_m_blocks, page_keys, block_n, sms)
     unit = gluon.keys_per_block if gluon is not None else block_n  # whole blocks a split
-    keys_per_split = triton.cdiv(triton.cdiv(page_keys, nsplit), unit) * unit
+    keys_per_split = triton.cdiv(triton.cdiv(page_keys, max(nsplit, 1)), unit) * unit
     if filled and not splits:
         bf16_per_split = triton.cdiv(bf16_keys, BF16_BLOCK_N) * BF16_BLOCK_N
     else:
@@ -710,7 +712,8 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
         # an INT2 one), so at short contexts they are not the tail. At small batch that is too few programs
         # (8 at batch 1: latency-bound), so also aim for ~2 per SM.
         fill = triton.cdiv(bf16_keys, max(1, 2 * sms // (b * h * m_blocks)))
-        bf16_per_split = triton.cdiv(min(max(keys_per_split // 7, 1), fill), BF16_BLOCK_N) * BF16_BLOCK_N
+        per_page_split = max(keys_per_split // 7, 1) if nsplit else fill
+        bf16_per_split = triton.cdiv(min(per_page_split, fill), BF16_BLOCK_N) * BF16_BLOCK_N
     nb = triton.cdiv(bf16_keys, bf16_per_split)
     rows = b * h * m_total
     temp = rows * d * 2 + rows * (nsplit + nb) * (d + 2) * 4  # qq (fp16) + partial o, m, l (fp32)
@@ -863,7 +866,9 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     page_opts = {"maxnreg": maxnreg} if maxnreg else {}  # a register cap trades spills for CTAs per SM
     # warps: page_warps for the page region alone, else num_warps for both regions, else the heuristic
     page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, plan.page_m_blocks, plan.page_m, q.device)
-    if plan.page_kernel == "gluon":
+    if plan.nsplit == 0:  # no pages
+        LAST_LAUNCH.pop("attention", None)
+    elif plan.page_kernel == "gluon":
         cfg = plan.gluon
         LAST_LAUNCH["attention"] = _gluon_decode().launch_pages(
             (b * h, plan.nsplit), qq, pos, lens, c0, kw, k_meta.view(torch.int32), vw, v_meta.view(torch.int32),
