@@ -86,6 +86,12 @@ class BackendOptions:
     # Free the dense K/V buffers a model owns (registered buffers) once every graph's reads and writes of
     # them were rewritten; only for a model attached by oscar_compile.compile, which then refuses eager calls.
     release_dead_caches: bool = True
+    # {layer: window} of sliding-window layers (keys limited to the last `window` positions): their storage is
+    # a BF16 ring of window + max_chunk - 1 tokens, no pages, bounded whatever the context. None: read from the
+    # config of a model attached by oscar_compile.compile; else every layer gets INT2 pages (correct through
+    # the model's own sliding masks, but memory grows with the context).
+    sliding_windows: dict | None = None
+    max_chunk: int = 4096  # most tokens one call writes to a sliding-window layer (prefill longer prompts in chunks)
 
 
 class OscarBackend:
@@ -170,6 +176,10 @@ class OscarBackend:
         import weakref
 
         self._model = weakref.ref(model)
+        if self.options.sliding_windows is None:
+            from .hf import sliding_windows
+
+            self.options.sliding_windows = sliding_windows(model)
         released = self.released
 
         def refuse_eager(module, args):
@@ -268,10 +278,14 @@ class OscarBackend:
         full_key = (key, (m.num_kv_heads, m.head_dim, dtype, str(device)), rows, max_len)
         if full_key not in self.storage:
             o = self.options
+            sliding = (o.sliding_windows or {}).get(layer) if key[0] == "layer" else None
+            if sliding is not None and sliding + o.max_chunk - 1 >= max_len:
+                sliding = None  # a ring as long as the cache: pages cost no more, and any call length works
             cache = PagedInt2KVCache(
                 1, m.num_kv_heads, m.head_dim, max_batch_size=rows, max_seq_len=max_len, page_size=o.page_size,
                 num_sinks=o.num_sinks, window=o.window, group_size=o.group_size, identity_block_table=True,
-                quantize=o.quantize, dtype=dtype, meta_dtype=o.meta_dtype, device=device,
+                quantize=o.quantize, sliding_window=sliding, max_chunk=o.max_chunk, dtype=dtype,
+                meta_dtype=o.meta_dtype, device=device,
             )
             cache.set_transforms(0, self._transforms(layer, m.num_kv_heads, m.head_dim))
             self.storage[full_key] = cache

@@ -140,6 +140,20 @@ class OscarCache(StaticCache):
                 f"head_dim={l0.k_head_dim}, max_cache_len={l0.max_cache_len}, no BF16 storage)")
 
 
+def sliding_windows(model_or_config) -> dict[int, int]:
+    """``{layer: window}`` of the layers whose keys are limited to their last ``window`` positions, from the
+    config as transformers reads it: ``layer_types`` (``"sliding_attention"``) where the config has them,
+    else every layer when ``sliding_window`` is set (Mistral-style configs)."""
+    config = _model_config(model_or_config)
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return {}
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return {i: int(window) for i in range(config.num_hidden_layers)}
+    return {i: int(window) for i, kind in enumerate(types) if kind == "sliding_attention"}
+
+
 def cache_kwarg(model) -> str:
     """transformers >= 5.2x calls the forward argument ``cache``; older 5.x ``past_key_values``."""
     import inspect

@@ -260,6 +260,14 @@ def _admit(check: WriteCheck, args) -> tuple[int, HostCounter | None]:
             owner._oscar_admit(check.batch(args), start)
     elif counter is not None and check.buffer is not None:
         _check_same_buffer(check, counter, args[check.buffer], start)
+    storage = check.storage
+    if getattr(storage, "sliding_window", None) and t > storage.max_chunk:
+        raise CacheCapacityError(
+            f"oscar: {check.slot}: a sliding-window layer takes at most max_chunk={storage.max_chunk} new tokens a call "
+            f"(its storage is a ring of its window of {storage.sliding_window} plus one chunk), got {t}. Nothing was "
+            "written; prefill long prompts in chunks (generate(..., prefill_chunk_size=N) in transformers), or "
+            "compile with a larger oscar_backend(max_chunk=...)."
+        )
     if start + t > capacity:
         what = f"{t} new tokens at positions {start}..{start + t - 1}" if t != 1 else f"a token at position {start}"
         raise CacheCapacityError(

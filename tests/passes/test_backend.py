@@ -178,6 +178,48 @@ def test_sliding_window_layers_through_oscar_cache(family, prompt):
     assert rel_error(int2, ref) > 1e-3
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(SLIDING_FAMILIES))
+def test_sliding_windows_read_from_the_config_as_transformers_does(family):
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    from oscar_compile.hf import sliding_windows
+    from oscar_compile.testing import tiny_config, tiny_sliding_config
+
+    config = tiny_sliding_config(family) if family in SLIDING_FAMILIES else tiny_config(family)
+    layers = StaticCache(config=config, max_cache_len=4).layers
+    assert set(sliding_windows(config)) == {i for i, layer in enumerate(layers) if isinstance(layer, StaticSlidingWindowLayer)}
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "gemma3"])
+def test_sliding_window_layers_get_storage_bounded_by_their_window(family):
+    # an attached model's sliding layers: a BF16 ring of window + max_chunk - 1 tokens and no pages, so they
+    # stay exact; quantize-off equals eager, and INT2 equals eager wherever every layer slides (mistral-window)
+    from oscar_compile.hf import sliding_windows
+
+    model = tiny_model(family)  # window 8
+    ids = _ids(2, 13, seed=4)
+    ref = prefill_and_decode(model, ids, make_hf_cache("dynamic", model, 64, 2), 20)
+    windows = sliding_windows(model)
+    assert windows and set(windows.values()) == {8}
+    for quantize in (False, True):
+        torch._dynamo.reset()
+        oscar_compile.compile(model, quantize=quantize, inductor=False, max_chunk=16, num_sinks=2, window=3, page_size=4)
+        got = prefill_and_decode(model, ids, make_hf_cache("oscar", model, 64, 2), 20)
+        backend = model.oscar_backend
+        rings = {key[0][1]: c for key, c in backend.storage.items() if c.sliding_window}
+        assert set(rings) == set(windows)
+        assert all(c.max_pages == 0 and c.num_sinks == 0 and c.window == 8 + 16 - 1 for c in rings.values())
+        if not quantize or len(windows) == model.config.num_hidden_layers:
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        else:  # the prefill attends to itself exactly; decode reads the full layer's INT2 pages
+            torch.testing.assert_close(got[:, :13], ref[:, :13], rtol=1e-4, atol=1e-4)
+            assert rel_error(got, ref) > 1e-3
+        with pytest.raises(oscar_compile.CacheCapacityError, match="max_chunk=16"):
+            prefill_and_decode(model, _ids(2, 17, seed=5), make_hf_cache("oscar", model, 64, 2), 0)
+    model.oscar_backend.detach()
+
+
 def test_static_cache_sliding_layer_is_refused_not_silently_wrong():
     # transformers' StaticCache writes a sliding layer by index_copy_ until its window is full, then by
     # roll + copy_: the later graph would read a buffer whose tokens went to INT2 storage
