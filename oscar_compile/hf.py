@@ -149,7 +149,9 @@ def sliding_windows(model_or_config) -> dict[int, int]:
     if not window:
         return {}
     types = getattr(config, "layer_types", None)
-    if types is None:
+    if types is None:  # older configs: Qwen-style use_sliding_window=False keeps the window unused
+        if getattr(config, "use_sliding_window", True) is False:
+            return {}
         return {i: int(window) for i in range(config.num_hidden_layers)}
     return {i: int(window) for i, kind in enumerate(types) if kind == "sliding_attention"}
 
