@@ -37,13 +37,13 @@ SHAPES = {
 }
 
 
-def make(name, layers=None, max_positions=None):
+def make(name, layers=None, max_positions=None, device="cuda"):
     cfg = transformers.LlamaConfig(**SHAPES[name], bos_token_id=1, eos_token_id=2)
     if layers:
         cfg.num_hidden_layers = layers
     if max_positions:
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
-    with torch.device("cuda"):
+    with torch.device(device):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.eval().generation_config.disable_compile = True  # we compile ourselves

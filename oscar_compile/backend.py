@@ -113,6 +113,7 @@ class OscarBackend:
         # "dense" once a graph wrote or read them unrewritten; a graph mixing the two is refused (_check_ownership)
         self._cache_use: dict[str, str] = {}
         self._model = None  # weakref to the model attached by oscar_compile.compile (owner of releasable buffers)
+        self._first_kv_heads: dict[int, int] = {}  # tensor parallelism: layer -> first KV head this rank holds
 
     # ------------------------------------------------------------------ torch.compile entry
     def __call__(self, gm: fx.GraphModule, example_inputs, **kwargs):
@@ -176,6 +177,12 @@ class OscarBackend:
         import weakref
 
         self._model = weakref.ref(model)
+        from .tensor_parallel import first_kv_heads, tensor_parallel_size
+
+        if tensor_parallel_size(model) > 1:  # which KV heads of each layer this rank holds, from its k_proj shards
+            from .hf import kv_geometry
+
+            self._first_kv_heads = first_kv_heads(model, kv_geometry(model)[1])
         if self.options.sliding_windows is None:
             from .hf import sliding_windows
 
@@ -297,11 +304,12 @@ class OscarBackend:
     def _check_artifact_layers(self, analysis: GraphAnalysis) -> None:
         """Before compiling: every matched layer must exist in the artifact with the same shapes."""
         for m in analysis.matches:
-            self.artifacts.layer_transforms(self._slot(m)[2], m.num_kv_heads, m.head_dim)
+            layer = self._slot(m)[2]
+            self.artifacts.layer_transforms(layer, m.num_kv_heads, m.head_dim, self._first_kv_heads.get(layer))
 
     def _transforms(self, layer: int, heads: int, d: int) -> LayerTransforms:
         if self.artifacts is not None:
-            return self.artifacts.layer_transforms(layer, heads, d)
+            return self.artifacts.layer_transforms(layer, heads, d, self._first_kv_heads.get(layer))
         if self.options.rotation == "identity":
             return LayerTransforms.identity(heads, d)
         return LayerTransforms.hadamard(heads, d)

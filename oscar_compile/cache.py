@@ -89,6 +89,10 @@ class LayerTransforms:
             float(key_clip), float(value_clip),
         )
 
+    def heads(self, lo: int, hi: int) -> "LayerTransforms":
+        """The transforms of KV heads ``lo .. hi - 1`` (a tensor-parallel rank's share)."""
+        return replace(self, **{n: getattr(self, n)[lo:hi] for n in self._tensor_names()})
+
     def to(self, device) -> "LayerTransforms":
         return replace(self, **{n: getattr(self, n).to(device=device, dtype=torch.float32) for n in self._tensor_names()})
 

@@ -22,6 +22,7 @@ from transformers.cache_utils import StaticLayer
 
 from . import ops
 from .passes.capacity import track_counter
+from .tensor_parallel import local_kv_heads, tensor_parallel_size
 
 
 class OscarLayer(StaticLayer):
@@ -121,6 +122,7 @@ class OscarCache(StaticCache):
         dtype = dtype or (model.dtype if model is not None else torch.get_default_dtype())
         device = torch.device(device or (model.device if model is not None else "cpu"))
         heads, head_dim = kv_geometry(config)
+        heads = local_kv_heads(heads, tensor_parallel_size(model))
         self.layers = [OscarLayer(max_cache_len, heads, head_dim, dtype, device, max_batch_size) for _ in self.layers]
 
     # transformers 5.17 derives max_batch_size from the layers (a read-only property, deprecated); newer

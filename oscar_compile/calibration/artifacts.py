@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..cache import LayerTransforms
+from ..tensor_parallel import full_tensor
 
 FORMAT_VERSION = 1
 MANIFEST, TENSORS = "oscar.json", "oscar.safetensors"
@@ -34,7 +35,7 @@ def attention_weights_hash(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in chosen:
         h.update(name.encode())
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        h.update(full_tensor(p.detach()).float().cpu().contiguous().numpy().tobytes())  # whole, under TP too
     return h.hexdigest()
 
 
@@ -60,15 +61,26 @@ class Artifacts:
     def clip_ratios(self) -> list[tuple[float, float]]:
         return [(t.key_clip, t.value_clip) for t in self.layers]
 
-    def layer_transforms(self, layer: int, num_kv_heads: int, head_dim: int) -> LayerTransforms:
-        """Transforms of attention layer ``layer``; raises if the model does not match the artifact."""
+    def layer_transforms(self, layer: int, num_kv_heads: int, head_dim: int, first_head: int | None = None) -> LayerTransforms:
+        """Transforms of attention layer ``layer``; raises if the model does not match the artifact.
+
+        ``first_head``: a tensor-parallel rank holds KV heads ``first_head .. first_head + num_kv_heads - 1``
+        of the calibrated model (:func:`oscar_compile.tensor_parallel.first_kv_heads`); it gets their slice."""
         fp = self.fingerprint
         if not 0 <= layer < len(self.layers):
             raise ArtifactError(f"oscar: the model has an attention layer {layer}, but the artifact covers "
                                 f"{len(self.layers)} layers ({fp.get('architecture')})")
-        if (num_kv_heads, head_dim) != (fp["num_kv_heads"], fp["head_dim"]):
-            raise ArtifactError(f"oscar: layer {layer} has {num_kv_heads} KV heads of dim {head_dim}, the artifact was "
-                                f"made for {fp['num_kv_heads']} of dim {fp['head_dim']} ({fp.get('architecture')})")
+        whole = (num_kv_heads, head_dim) == (fp["num_kv_heads"], fp["head_dim"])
+        if first_head is not None and head_dim == fp["head_dim"] and 0 <= first_head \
+                and first_head + num_kv_heads <= fp["num_kv_heads"]:
+            return self.layers[layer].heads(first_head, first_head + num_kv_heads)
+        if not whole or first_head not in (None, 0):
+            shard = "" if first_head is None else f" (a tensor-parallel shard from KV head {first_head})"
+            raise ArtifactError(f"oscar: layer {layer} has {num_kv_heads} KV heads of dim {head_dim}{shard}, the artifact "
+                                f"was made for {fp['num_kv_heads']} of dim {fp['head_dim']} ({fp.get('architecture')})"
+                                + ("" if first_head is not None or num_kv_heads >= fp["num_kv_heads"] else
+                                   "; under tensor parallelism compile with oscar_compile.compile(model), which reads "
+                                   "the KV heads each rank holds from the model"))
         return self.layers[layer]
 
     def validate(self, model: torch.nn.Module, check_weights: bool = True) -> None:

@@ -56,6 +56,12 @@ def collect_statistics(
     search instead. ``forward(model, batch)`` runs one batch (default: a transformers prefill into a
     fresh ``DynamicCache``). Positions ``< skip_first`` (attention sinks) are left out of the statistics.
     """
+    from ..tensor_parallel import tensor_parallel_size
+
+    if tensor_parallel_size(model) > 1:
+        raise ValueError("oscar: calibrate the whole model in one process (loaded without tp_plan): under tensor "
+                         "parallelism each rank sees only its own heads. Every rank then loads the same artifact; "
+                         "oscar_compile.compile(model, artifacts) gives each rank the transforms of the heads it holds.")
     batches = list(batches)
     if len(batches) <= heldout_batches:
         raise ValueError(f"oscar calibrate: {len(batches)} batch(es) cannot hold out {heldout_batches} for the clip "
