@@ -87,9 +87,9 @@ class BackendOptions:
     # them were rewritten; only for a model attached by oscar_compile.compile, which then refuses eager calls.
     release_dead_caches: bool = True
     # {layer: window} of sliding-window layers (keys limited to the last `window` positions): their storage is
-    # a BF16 ring of window + max_chunk - 1 tokens, no pages, bounded whatever the context. None: read from the
-    # config of a model attached by oscar_compile.compile; else every layer gets INT2 pages (correct through
-    # the model's own sliding masks, but memory grows with the context).
+    # a BF16 ring of window + max_chunk - 1 tokens, no pages, bounded whatever the context. None: from the
+    # artifact (recorded at calibration) or the config of a model attached by oscar_compile.compile; else every
+    # layer gets INT2 pages (correct through the model's own sliding masks, but memory grows with the context).
     sliding_windows: dict | None = None
     max_chunk: int = 4096  # most tokens one call writes to a sliding-window layer (prefill longer prompts in chunks)
 
@@ -105,6 +105,8 @@ class OscarBackend:
         if self.options.rotation not in ROTATIONS:
             raise ValueError(f"oscar_backend: rotation must be one of {ROTATIONS}, got {self.options.rotation!r}")
         self.artifacts = artifacts
+        if self.options.sliding_windows is None and artifacts is not None and artifacts.sliding_windows:
+            self.options.sliding_windows = artifacts.sliding_windows  # recorded at calibration
         self.observer = observer  # observe mode (calibration): record what would be stored, rewrite nothing
         self.storage: dict[tuple, PagedInt2KVCache] = {}
         self.graphs: list[CompiledGraph] = []

@@ -42,8 +42,12 @@ def attention_weights_hash(model: torch.nn.Module) -> str:
 def model_fingerprint(model: torch.nn.Module, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> dict:
     config = getattr(model, "config", None)
     arch = (getattr(config, "architectures", None) or [type(model).__name__])[0]
+    from ..hf import sliding_windows
+
+    # sliding-window layers (as JSON: string keys), so a backend that never sees the model still bounds their storage
+    windows = {str(k): v for k, v in sliding_windows(config).items()} if config is not None else {}
     return {"architecture": arch, "num_layers": num_layers, "num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads,
-            "head_dim": head_dim, "attention_weights_sha256": attention_weights_hash(model)}
+            "head_dim": head_dim, "attention_weights_sha256": attention_weights_hash(model), "sliding_windows": windows}
 
 
 @dataclass
@@ -56,6 +60,11 @@ class Artifacts:
     calibration: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+
+    @property
+    def sliding_windows(self) -> dict[int, int]:
+        """``{layer: window}`` of the calibrated model's sliding-window layers (empty for older artifacts)."""
+        return {int(k): int(v) for k, v in self.fingerprint.get("sliding_windows", {}).items()}
 
     @property
     def clip_ratios(self) -> list[tuple[float, float]]:

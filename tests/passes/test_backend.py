@@ -220,6 +220,21 @@ def test_sliding_window_layers_get_storage_bounded_by_their_window(family):
     model.oscar_backend.detach()
 
 
+def test_artifact_carries_sliding_windows_to_a_backend_without_the_model(tmp_path):
+    # calibration records the windows: torch.compile(model, backend=oscar_backend(artifacts)) bounds them too
+    from oscar_compile.calibration.artifacts import load_artifacts
+
+    model = tiny_model("gemma3")
+    batches = list(torch.randint(1, model.config.vocab_size, (3, 2, 20), generator=torch.Generator().manual_seed(0)))
+    oscar_compile.calibrate(model, batches, progress=False).save(tmp_path / "art")
+    artifacts = load_artifacts(tmp_path / "art")
+    assert artifacts.sliding_windows == {0: 8}
+    backend = oscar_backend(artifacts, inductor=False, max_chunk=16)
+    prefill_and_decode(torch.compile(model, backend=backend), _ids(2, 13), make_hf_cache("oscar", model, 64, 2), 3)
+    rings = {key[0][1] for key, c in backend.storage.items() if c.sliding_window == 8 and c.max_pages == 0}
+    assert rings == {0} and any(c.max_pages > 0 for c in backend.storage.values())
+
+
 def test_static_cache_sliding_layer_is_refused_not_silently_wrong():
     # transformers' StaticCache writes a sliding layer by index_copy_ until its window is full, then by
     # roll + copy_: the later graph would read a buffer whose tokens went to INT2 storage
