@@ -288,8 +288,8 @@ class OscarBackend:
         if full_key not in self.storage:
             o = self.options
             sliding = (o.sliding_windows or {}).get(layer) if key[0] == "layer" else None
-            if sliding is not None and sliding + o.max_chunk - 1 >= max_len:
-                sliding = None  # a ring as long as the cache: pages cost no more, and any call length works
+            if sliding is not None and not _ring_is_smaller(o, m.num_kv_heads, m.head_dim, dtype, sliding, max_len):
+                sliding = None  # INT2 pages for the whole cache take fewer bytes (a large window, a short cache)
             cache = PagedInt2KVCache(
                 1, m.num_kv_heads, m.head_dim, max_batch_size=rows, max_seq_len=max_len, page_size=o.page_size,
                 num_sinks=o.num_sinks, window=o.window, group_size=o.group_size, identity_block_table=True,
@@ -413,6 +413,20 @@ def oscar_entry_point(gm, example_inputs, **kwargs):
 
 
 RECOMPILE_LIMIT = 64  # graphs per compiled function that oscar_compile.compile lets Dynamo keep
+
+
+def _ring_is_smaller(o: BackendOptions, heads: int, d: int, dtype: torch.dtype, sliding: int, max_len: int) -> bool:
+    """Whether a sliding-window layer's BF16 ring (``sliding + max_chunk - 1`` tokens) takes fewer bytes than
+    INT2 pages for the whole cache of ``max_len`` tokens (with sinks and window): a window of 4096 plus a
+    chunk of 4096 costs as much as ~58K tokens in INT2 at head_dim 128."""
+    token = heads * d * (torch.finfo(dtype).bits // 8)
+    ring = min(sliding + o.max_chunk - 1, max_len) * token
+    if not o.quantize:
+        return ring < max_len * token
+    groups = d // (o.group_size or d)
+    page_token = heads * (d // 4 + 2 * groups * (torch.finfo(o.meta_dtype).bits // 8))
+    paged_tokens = -(-max(0, max_len - o.num_sinks - o.window) // o.page_size) * o.page_size
+    return ring < (o.num_sinks + o.window) * token + paged_tokens * page_token
 
 
 def compile(model, artifacts=None, *, fullgraph: bool = False, mode: str | None = None, dynamic=None,

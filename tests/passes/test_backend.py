@@ -193,8 +193,9 @@ def test_sliding_windows_read_from_the_config_as_transformers_does(family):
 
 @pytest.mark.parametrize("family", ["mistral-window", "gemma3"])
 def test_sliding_window_layers_get_storage_bounded_by_their_window(family):
-    # an attached model's sliding layers: a BF16 ring of window + max_chunk - 1 tokens and no pages, so they
-    # stay exact; quantize-off equals eager, and INT2 equals eager wherever every layer slides (mistral-window)
+    # an attached model's sliding layers: a BF16 ring of window + max_chunk - 1 tokens and no pages (smaller than
+    # INT2 pages for a cache of 512), so they stay exact; quantize-off equals eager, and INT2 equals eager wherever
+    # every layer slides (mistral-window)
     from oscar_compile.hf import sliding_windows
 
     model = tiny_model(family)  # window 8
@@ -205,7 +206,7 @@ def test_sliding_window_layers_get_storage_bounded_by_their_window(family):
     for quantize in (False, True):
         torch._dynamo.reset()
         oscar_compile.compile(model, quantize=quantize, inductor=False, max_chunk=16, num_sinks=2, window=3, page_size=4)
-        got = prefill_and_decode(model, ids, make_hf_cache("oscar", model, 64, 2), 20)
+        got = prefill_and_decode(model, ids, make_hf_cache("oscar", model, 512, 2), 20)
         backend = model.oscar_backend
         rings = {key[0][1]: c for key, c in backend.storage.items() if c.sliding_window}
         assert set(rings) == set(windows)
@@ -216,7 +217,7 @@ def test_sliding_window_layers_get_storage_bounded_by_their_window(family):
             torch.testing.assert_close(got[:, :13], ref[:, :13], rtol=1e-4, atol=1e-4)
             assert rel_error(got, ref) > 1e-3
         with pytest.raises(oscar_compile.CacheCapacityError, match="max_chunk=16"):
-            prefill_and_decode(model, _ids(2, 17, seed=5), make_hf_cache("oscar", model, 64, 2), 0)
+            prefill_and_decode(model, _ids(2, 17, seed=5), make_hf_cache("oscar", model, 512, 2), 0)
     model.oscar_backend.detach()
 
 
@@ -230,9 +231,14 @@ def test_artifact_carries_sliding_windows_to_a_backend_without_the_model(tmp_pat
     artifacts = load_artifacts(tmp_path / "art")
     assert artifacts.sliding_windows == {0: 8}
     backend = oscar_backend(artifacts, inductor=False, max_chunk=16)
-    prefill_and_decode(torch.compile(model, backend=backend), _ids(2, 13), make_hf_cache("oscar", model, 64, 2), 3)
+    prefill_and_decode(torch.compile(model, backend=backend), _ids(2, 13), make_hf_cache("oscar", model, 512, 2), 3)
     rings = {key[0][1] for key, c in backend.storage.items() if c.sliding_window == 8 and c.max_pages == 0}
     assert rings == {0} and any(c.max_pages > 0 for c in backend.storage.values())
+    # where INT2 pages for the whole cache are smaller than the ring (32 tokens, 5 of them BF16), the layer keeps pages
+    torch._dynamo.reset()
+    backend = oscar_backend(artifacts, inductor=False, max_chunk=16, num_sinks=2, window=3, page_size=4)
+    prefill_and_decode(torch.compile(model, backend=backend), _ids(2, 13), make_hf_cache("oscar", model, 32, 2), 3)
+    assert not any(c.sliding_window for c in backend.storage.values())
 
 
 def test_static_cache_sliding_layer_is_refused_not_silently_wrong():
