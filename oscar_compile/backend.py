@@ -418,7 +418,7 @@ RECOMPILE_LIMIT = 64  # graphs per compiled function that oscar_compile.compile 
 def _ring_is_smaller(o: BackendOptions, heads: int, d: int, dtype: torch.dtype, sliding: int, max_len: int) -> bool:
     """Whether a sliding-window layer's BF16 ring (``sliding + max_chunk - 1`` tokens) takes fewer bytes than
     INT2 pages for the whole cache of ``max_len`` tokens (with sinks and window): a window of 4096 plus a
-    chunk of 4096 costs as much as ~58K tokens in INT2 at head_dim 128."""
+    chunk of 4096 costs as much as ~56K tokens in INT2 at head_dim 128."""
     token = heads * d * (torch.finfo(dtype).bits // 8)
     ring = min(sliding + o.max_chunk - 1, max_len) * token
     if not o.quantize:
