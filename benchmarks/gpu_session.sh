@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the decode-attention benchmark; results land in $OUT (or /tmp/oscar-gpu).
-# Usage: bash benchmarks/gpu_session.sh [gluon|store|tests|fuzz|testsfuzz|bench|probe|e2e|ncu|ncusrc|ncug]...   (default: tests bench)
+# Usage: bash benchmarks/gpu_session.sh [gluon|store|tests|fuzz|gate|bench|probe|e2e|ncu|ncusrc|ncug]...   (default: tests bench)
+#   gate: gpu_gate.sh (every GPU test in four shards and the fuzz at once; "tests" alone is one slow process)
 #   store: Triton store vs reference, per dtype/clip/path; probe: per-kernel profile + PROBE_CONFIGS (JSON list)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/oscar-gpu}
@@ -15,8 +16,7 @@ for step in "${@:-tests bench}"; do for s in $step; do
   case $s in
     gluon) timeout ${GLUON_TIMEOUT:-150} python3 benchmarks/check_gluon_decode.py --configs "${GLUON_CONFIGS:-$DEFAULT_GLUON}" \
              --out "$OUT/gluon_decode_h200.json" 2>&1 | grep -v "Warn\|warn_once" | grep -v "check case.*ok$" | tee "$OUT/gluon.log" ;;
-    testsfuzz) bash "$0" tests > "$OUT/tests_step.log" 2>&1 & bash "$0" fuzz > "$OUT/fuzz_step.log" 2>&1; wait
-           tail -25 "$OUT/tests_step.log"; tail -30 "$OUT/fuzz_step.log" ;;
+    testsfuzz|gate) bash "$(dirname "$0")/gpu_gate.sh" ;;  # every GPU test in shards + the fuzz, at once
     store) timeout 90 python3 benchmarks/check_store_gpu.py 2>&1 | tee "$OUT/store.log" ;;
     probe) timeout ${PROBE_TIMEOUT:-150} python3 benchmarks/bench_decode.py --profile --no-store --name decode_probe --out "$OUT" \
              --configs "${PROBE_CONFIGS:-$DEFAULT_PROBE}" ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} 2>&1 | tee "$OUT/probe.log" ;;

@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from . import ops
-from .cache import LayerTransforms, PagedInt2KVCache
+from .cache import LayerTransforms, PagedInt2KVCache, row_bytes
 from .passes.capacity import guard_writes, plan_checks
 from .passes.matcher import AttentionMatch, GraphAnalysis, analyze, cache_sources
 from .passes.release import ReleasedBuffers
@@ -417,16 +417,15 @@ RECOMPILE_LIMIT = 64  # graphs per compiled function that oscar_compile.compile 
 
 def _ring_is_smaller(o: BackendOptions, heads: int, d: int, dtype: torch.dtype, sliding: int, max_len: int) -> bool:
     """Whether a sliding-window layer's BF16 ring (``sliding + max_chunk - 1`` tokens) takes fewer bytes than
-    INT2 pages for the whole cache of ``max_len`` tokens (with sinks and window): a window of 4096 plus a
-    chunk of 4096 costs as much as ~56K tokens in INT2 at head_dim 128."""
-    token = heads * d * (torch.finfo(dtype).bits // 8)
-    ring = min(sliding + o.max_chunk - 1, max_len) * token
+    the storage the layer would otherwise get for ``max_len`` tokens (sinks, window and INT2 pages; all BF16
+    without quantization): a window of 4096 plus a chunk of 4096 costs as much as ~56K tokens in INT2 at
+    head_dim 128."""
+    group = o.group_size or d
+    ring = row_bytes(heads, d, min(sliding + o.max_chunk - 1, max_len), 0, group, dtype, o.meta_dtype)
     if not o.quantize:
-        return ring < max_len * token
-    groups = d // (o.group_size or d)
-    page_token = heads * (d // 4 + 2 * groups * (torch.finfo(o.meta_dtype).bits // 8))
-    paged_tokens = -(-max(0, max_len - o.num_sinks - o.window) // o.page_size) * o.page_size
-    return ring < (o.num_sinks + o.window) * token + paged_tokens * page_token
+        return ring < row_bytes(heads, d, max_len, 0, group, dtype, o.meta_dtype)
+    pages = -(-max(0, max_len - o.num_sinks - o.window) // o.page_size) * o.page_size
+    return ring < row_bytes(heads, d, o.num_sinks + o.window, pages, group, dtype, o.meta_dtype)
 
 
 def compile(model, artifacts=None, *, fullgraph: bool = False, mode: str | None = None, dynamic=None,

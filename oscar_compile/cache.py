@@ -167,6 +167,15 @@ class MemoryReport:
         )
 
 
+def row_bytes(heads: int, head_dim: int, bf16_tokens: int, page_tokens: int, group_size: int, dtype: torch.dtype,
+              meta_dtype: torch.dtype) -> int:
+    """Bytes of one row's keys (or values) in one layer: ``bf16_tokens`` in the cache dtype (sinks and ring)
+    plus ``page_tokens`` in INT2 pages (codes and per-group scale and minimum)."""
+    token = heads * head_dim * (torch.finfo(dtype).bits // 8)
+    page_token = heads * (head_dim // 4 + 2 * (head_dim // group_size) * (torch.finfo(meta_dtype).bits // 8))
+    return bf16_tokens * token + page_tokens * page_token
+
+
 class PagedInt2KVCache:
     """Paged INT2 KV cache for ``num_layers`` layers of ``num_kv_heads`` heads of ``head_dim``.
 
@@ -460,12 +469,9 @@ class PagedInt2KVCache:
     def memory_report(self, context_len: int) -> MemoryReport:
         """Memory one row of ``context_len`` tokens takes: its sink and ring buffers plus its pages."""
         h, d, nl = self.num_kv_heads, self.head_dim, self.num_layers
-        dt = torch.finfo(self.dtype).bits // 8
-        page_token_bytes = h * (d // 4 + 2 * (d // self.group_size) * (torch.finfo(self.meta_dtype).bits // 8))
         # K and V: the row's full sink and ring buffers plus its pages (the block table is negligible).
-        per_layer = 2 * (
-            (self.num_sinks + self.window) * h * d * dt + self.pages_for(context_len) * self.page_size * page_token_bytes
-        )
+        per_layer = 2 * row_bytes(h, d, self.num_sinks + self.window, self.pages_for(context_len) * self.page_size,
+                                  self.group_size, self.dtype, self.meta_dtype)
         elements = 2 * context_len * h * d
         return MemoryReport(
             context_len=context_len, num_layers=nl, num_kv_heads=h, head_dim=d,
