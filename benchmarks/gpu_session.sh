@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the decode-attention benchmark; results land in $OUT (or /tmp/oscar-gpu).
-# Usage: bash benchmarks/gpu_session.sh [gluon|store|tests|fuzz|gate|bench|probe|e2e|ncu|ncusrc|ncug]...   (default: tests bench)
+# Usage: bash benchmarks/gpu_session.sh [gluon|store|tests|fuzz|gate|bench|probe|e2e|tp|ncu|ncusrc|ncug]...   (default: tests bench)
 #   gate: gpu_gate.sh (every GPU test in four shards and the fuzz at once; "tests" alone is one slow process)
 #   store: Triton store vs reference, per dtype/clip/path; probe: per-kernel profile + PROBE_CONFIGS (JSON list)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -56,6 +56,13 @@ for step in "${@:-tests bench}"; do for s in $step; do
          "$NCU" -i "$OUT/pages.ncu-rep" --page details > "$OUT/pages_details.txt" 2>&1
          python3 benchmarks/ncu_summary.py "$OUT/pages_sass.csv"; grep -i "bank\|excessive" "$OUT/pages_details.txt" | head -20 ;;
     bench) timeout ${BENCH_TIMEOUT:-210} python3 benchmarks/bench_decode.py ${BENCH_ARGS:---profile} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^    " ;;
+    tp)  # tp_gpu.py at world size ${TP_WORLD:-1}: oscar and BF16 per shape (TP_SHAPES, BxL), one process each
+         for shape in ${TP_SHAPES:-1x131072 32x8192}; do for cfg in ${TP_CONFIGS:-oscar bf16}; do
+           timeout ${TP_TIMEOUT:-280} torchrun --nproc-per-node ${TP_WORLD:-1} benchmarks/tp_gpu.py --model llama3-8b \
+             --weights /tmp/oscar-tp-llama3-8b --batch ${shape%x*} --prompt ${shape#*x} --config $cfg \
+             --out "$OUT/tp_h200.jsonl" > "$OUT/tp_${cfg}_$shape.log" 2>&1
+           grep "^{" "$OUT/tp_${cfg}_$shape.log" || grep -v "Warn\|warn" "$OUT/tp_${cfg}_$shape.log" | tail -8
+         done; done ;;
     e2e) timeout 400 python3 benchmarks/e2e_gpu.py --models "${E2E_MODELS:-smollm2,llama3-8b:8}" --configs "${E2E_CONFIGS:-int2,eager}" \
            --config-timeout 120 --out "$OUT/e2e_h200.json" 2>&1 | tee "$OUT/e2e.log" | grep "^{" ;;
   esac

@@ -31,16 +31,16 @@ def _sliding_oracle(q, k_all, v_all, positions, window, gqa):
     return torch.where(positions[:, None, :, None] >= 0, out, 0.0)
 
 
-def _run(store_fn, attn_fn, window, chunks, lengths, tol, seed=0, h=2, gqa=2, d=64):
+def _run(store_fn, attn_fn, window, chunks, lengths, tol, seed=0, h=2, gqa=2, d=64, dtype=torch.float32):
     """Prefill rows of different ``lengths`` in calls of ``chunks`` tokens, then decode one token at a time;
     every call's output against the oracle over the full history."""
     gen = torch.Generator().manual_seed(seed)
     batch, max_len = len(lengths), max(lengths)
     cache = PagedInt2KVCache(1, h, d, max_batch_size=batch, max_seq_len=max_len, page_size=4, sliding_window=window,
-                             max_chunk=chunks, identity_block_table=True, dtype=torch.float32, device=DEV)
-    k_all = torch.randn(batch, h, max_len, d, generator=gen).to(DEV)
-    v_all = torch.randn(batch, h, max_len, d, generator=gen).to(DEV)
-    q_all = torch.randn(batch, h * gqa, max_len, d, generator=gen).to(DEV)
+                             max_chunk=chunks, identity_block_table=True, dtype=dtype, device=DEV)
+    k_all = torch.randn(batch, h, max_len, d, generator=gen).to(DEV, dtype)
+    v_all = torch.randn(batch, h, max_len, d, generator=gen).to(DEV, dtype)
+    q_all = torch.randn(batch, h * gqa, max_len, d, generator=gen).to(DEV, dtype)
     prompt = min(lengths) // 2  # then each row decodes to its own length (shorter rows pad)
     starts = list(range(0, prompt, chunks)) + list(range(prompt, max_len))
     ends = [min(s + chunks, prompt) for s in starts if s < prompt] + [s + 1 for s in range(prompt, max_len)]
@@ -63,6 +63,14 @@ def test_sliding_layer_reference_matches_full_history_attention():
 
 def test_sliding_layer_triton_kernels_match_full_history_attention():
     _run(store_triton, attention_triton, window=6, chunks=4, lengths=(23, 17), tol=5e-3, seed=1)
+
+
+@pytest.mark.gpu
+def test_sliding_layer_triton_kernels_at_model_shapes_gpu():
+    # bf16 storage, head_dim 128, GQA 4, a 300-token window filled by 256-token prompt chunks, rows of
+    # different lengths decoding ~900 steps past it. bf16 inputs round keys/values (2^-8 relative): 2e-2.
+    _run(store_triton, attention_triton, window=300, chunks=256, lengths=(1500, 1100), tol=2e-2, seed=2,
+         h=8, gqa=4, d=128, dtype=torch.bfloat16)
 
 
 def test_sliding_layer_memory_does_not_grow_with_context():
