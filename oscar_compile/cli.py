@@ -67,11 +67,19 @@ def _eval(args) -> int:
     if args.text == calib_name or overlapping(eval_text, load_text(calib_name)):
         raise SystemExit(f"oscar eval: the evaluation text {eval_desc} overlaps the calibration text ({calib_name}); "
                          "calibration and evaluation must be disjoint")
-    model, tok = load_model(args.model)
+    import torch
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("oscar eval: --device cuda, but torch sees no CUDA device")
+    dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16}[args.dtype]
+    model, tok = load_model(args.model)  # float32 on the CPU: calibration and the artifact hash see these weights
     names = args.methods.split(",")
     needs_stats = [n for n in names if n not in ("bf16", "kivi")]
     # cached per (model, method, tokens) like the demo's: a second eval run does not recalibrate
     artifacts, _ = cached_artifacts_for(model, tok, args.model, needs_stats, args.calib_tokens)
+    model.to(device=device, dtype=dtype)
     methods = []
     for n in names:
         if n == "bf16":
@@ -85,7 +93,7 @@ def _eval(args) -> int:
                      retrieval_lengths=ints(args.retrieval_lengths), retrieval_samples=args.retrieval_samples,
                      retrieval_depths=tuple(float(x) for x in args.retrieval_depths.split(",") if x),
                      retrieval_tasks=tuple(x for x in args.retrieval_tasks.split(",") if x),
-                     num_sinks=args.sinks, window=args.window)
+                     num_sinks=args.sinks, window=args.window, prefill_chunk=args.prefill_chunk)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / f"{args.name or args.model}.partial.json"
@@ -96,7 +104,8 @@ def _eval(args) -> int:
     report = run_eval(model, tok, methods, eval_text, haystack, cfg, checkpoint=checkpoint)
     report["model"] = args.model
     report["eval_text"] = eval_desc
-    report["weights"] = "4-bit GGUF, dequantized to fp32 (the packaged model)"
+    report["weights"] = f"4-bit GGUF, dequantized to {str(dtype).removeprefix('torch.')} (the packaged model)"
+    report["device"] = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
     report["calibration"] = next((a.calibration for a in artifacts.values()), {"tokens": args.calib_tokens})
     report["clip_ratios"] = {n: a.clip_ratios for n, a in artifacts.items()}
     print(format_report(report))
@@ -244,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--retrieval-tasks", default="passkey,needle")
     ev.add_argument("--sinks", type=int, default=64)
     ev.add_argument("--window", type=int, default=256)
+    ev.add_argument("--device", default="auto", help="cpu, cuda (auto: cuda when available); on CUDA the Triton kernels run")
+    ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="model weights during evaluation (auto: bfloat16 on CUDA, float32 on the CPU)")
+    ev.add_argument("--prefill-chunk", type=int, default=4096, help="prompts are prefilled in chunks of this many tokens")
     ev.add_argument("--out", default="oscar-eval")
     ev.add_argument("--name", default=None, help="file stem of the JSON and plot")
     ev.set_defaults(func=_eval)

@@ -59,10 +59,11 @@ class Session:
     """A model with one method's cache for ``batch`` sequences: ``prefill(ids)``, then ``step(ids)``."""
 
     def __init__(self, model, method: Method, batch: int, max_len: int, num_sinks: int, window: int,
-                 cache_dtype=torch.bfloat16):
+                 cache_dtype=torch.bfloat16, prefill_chunk: int = 4096):
         from .hf import cache_kwarg
 
         self.model, self.method, self.batch, self.max_len = model, method, batch, max_len
+        self.prefill_chunk = prefill_chunk
         self.kw = cache_kwarg(model)
         if method.kind == "kivi":
             self.fn = model
@@ -86,7 +87,13 @@ class Session:
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.fn(ids, **{self.kw: self.cache}, use_cache=True).logits[:, -1].float()
+        """Logits after the last of ``ids`` (fed in chunks of ``prefill_chunk`` tokens, as serving prefills
+        long prompts: each chunk reads the earlier ones from the cache; a sliding layer's ring takes no
+        more than a chunk at a time)."""
+        for start in range(0, ids.shape[1], self.prefill_chunk):
+            out = self.fn(ids[:, start:start + self.prefill_chunk], **{self.kw: self.cache}, use_cache=True,
+                          logits_to_keep=1)  # full logits of a long chunk would be GBs (vocabularies of 262K)
+        return out.logits[:, -1].float()
 
 
 # ----------------------------------------------------------------------------- perplexity
@@ -206,6 +213,7 @@ class EvalConfig:
     num_sinks: int = 64
     window: int = 256
     seed: int = 0
+    prefill_chunk: int = 4096
 
 
 def run_eval(model, tok, methods: list[Method], eval_text: str, haystack_text: str, cfg: EvalConfig,
@@ -233,7 +241,7 @@ def run_eval(model, tok, methods: list[Method], eval_text: str, haystack_text: s
                               for i in range(cfg.ppl_sequences)]).to(device)
         for m in methods:
             torch._dynamo.reset()
-            s = Session(model, m, tokens.shape[0], length, cfg.num_sinks, cfg.window)
+            s = Session(model, m, tokens.shape[0], length, cfg.num_sinks, cfg.window, prefill_chunk=cfg.prefill_chunk)
             bar = (lambda it: tqdm(it, desc=f"ppl {m.name} @ {context}", unit="step", leave=False)) if progress else None
             per_token = token_nll(s, tokens, context, bar)
             nll, n = per_token.sum().item(), per_token.numel()
@@ -255,7 +263,7 @@ def run_eval(model, tok, methods: list[Method], eval_text: str, haystack_text: s
     longest = max((p.context_ids.shape[1] + p.question_ids.shape[1] for p in prompts), default=0) + 16
     for m in methods:
         torch._dynamo.reset()
-        s = Session(model, m, 1, longest, cfg.num_sinks, cfg.window)  # one compile per method, every prompt
+        s = Session(model, m, 1, longest, cfg.num_sinks, cfg.window, prefill_chunk=cfg.prefill_chunk)  # one compile per method, every prompt
         it = tqdm(prompts, desc=f"retrieval {m.name}", leave=False) if progress else prompts
         for p in it:
             s.restart()

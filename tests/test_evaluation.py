@@ -16,6 +16,7 @@ from oscar_compile.evaluation import (
     perplexity_nll,
     plot_report,
     retrieve,
+    token_nll,
 )
 from oscar_compile.testing import cache_kwarg, make_hf_cache, tiny_model
 
@@ -73,6 +74,18 @@ def test_teacher_forced_perplexity_matches_a_direct_computation():
                 cache_dtype=torch.float32)
     nll_q, _ = perplexity_nll(s, tokens, 20)
     assert nll_q != nll  # the scored steps read INT2 history
+
+
+def test_chunked_prefill_scores_like_one_prefill():
+    # a 20-token context fed in chunks of 7 (7 + 7 + 6): with quantization off the cache holds the same
+    # K/V, so every scored step matches the single-call prefill to fp32 rounding
+    model = tiny_model("llama")
+    tokens = torch.randint(3, 90, (2, 30), generator=torch.Generator().manual_seed(2))
+    whole = Session(model, Method("bf16", "bf16"), 2, 30, num_sinks=2, window=4, cache_dtype=torch.float32)
+    chunked = Session(model, Method("bf16", "bf16"), 2, 30, num_sinks=2, window=4, cache_dtype=torch.float32,
+                      prefill_chunk=7)
+    a, b = token_nll(whole, tokens, 20), token_nll(chunked, tokens, 20)
+    assert a.shape == (2, 9) and torch.allclose(a, b, atol=1e-5)
 
 
 class _CharTokenizer:

@@ -234,11 +234,16 @@ def test_artifact_carries_sliding_windows_to_a_backend_without_the_model(tmp_pat
     prefill_and_decode(torch.compile(model, backend=backend), _ids(2, 13), make_hf_cache("oscar", model, 512, 2), 3)
     rings = {key[0][1] for key, c in backend.storage.items() if c.sliding_window == 8 and c.max_pages == 0}
     assert rings == {0} and any(c.max_pages > 0 for c in backend.storage.values())
-    # where INT2 pages for the whole cache are smaller than the ring (32 tokens, 5 of them BF16), the layer keeps pages
-    torch._dynamo.reset()
-    backend = oscar_backend(artifacts, inductor=False, max_chunk=16, num_sinks=2, window=3, page_size=4)
-    prefill_and_decode(torch.compile(model, backend=backend), _ids(2, 13), make_hf_cache("oscar", model, 32, 2), 3)
-    assert not any(c.sliding_window for c in backend.storage.values())
+    # a cache of 32 tokens: by default the ring still (23 tokens, exact); with sliding_storage="smallest" INT2 pages
+    # for the whole cache (5 of 32 tokens BF16) are smaller, and the layer keeps pages
+    for storage, ring in (("ring", True), ("smallest", False)):
+        torch._dynamo.reset()
+        backend = oscar_backend(artifacts, inductor=False, max_chunk=16, num_sinks=2, window=3, page_size=4,
+                                sliding_storage=storage)
+        prefill_and_decode(torch.compile(model, backend=backend), _ids(2, 13), make_hf_cache("oscar", model, 32, 2), 3)
+        assert any(c.sliding_window == 8 and c.window == 23 for c in backend.storage.values()) == ring
+    with pytest.raises(ValueError, match="sliding_storage"):
+        oscar_backend(sliding_storage="pages")
 
 
 def test_static_cache_sliding_layer_is_refused_not_silently_wrong():
