@@ -5,7 +5,7 @@
 #   bash benchmarks/eval_gpu.sh run GGUF_NAME [oscar eval args...]
 # "run" concatenates /tmp/stage/part* (in name order) into $OSCAR_CACHE/gguf/GGUF_NAME (the name the package's
 # assets expect; its sha256 is checked where the model is defined), installs carried wheels from .whl/ (gguf),
-# puts carried texts (*.txt in the stage) in the cache, and runs `python -m oscar_compile eval --device cuda`.
+# unpacks carried texts (*.tgz in the stage) into the cache, and runs `python -m oscar_compile eval --device cuda`.
 set -e
 export OSCAR_CACHE=${OSCAR_CACHE:-/tmp/oc} PYTHONUNBUFFERED=1
 mkdir -p /tmp/stage "$OSCAR_CACHE/gguf" "$OSCAR_CACHE/text"
@@ -13,7 +13,7 @@ case $1 in
   stage) cp "$2"/* /tmp/stage/; ls -la /tmp/stage ;;
   run) name=$2; shift 2
        [ -f "$OSCAR_CACHE/gguf/$name" ] || cat $(ls /tmp/stage/part* | sort) > "$OSCAR_CACHE/gguf/$name"
-       cp /tmp/stage/*.txt "$OSCAR_CACHE/text/" 2>/dev/null || true
+       for t in /tmp/stage/*.tgz; do [ -f "$t" ] && tar xzf "$t" -C "$OSCAR_CACHE/text"; done
        if ls .whl/*.whl > /dev/null 2>&1; then
          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
        fi

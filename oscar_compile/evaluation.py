@@ -43,16 +43,29 @@ class Method:
 
 def bits_per_element(model_config, method: Method, context: int, num_sinks: int, window: int,
                      cache_dtype=torch.bfloat16) -> float:
-    """Effective bits per K/V element of one sequence of ``context`` tokens, metadata and BF16 tokens included."""
+    """Effective bits per K/V element of one sequence of ``context`` tokens, metadata and BF16 tokens included,
+    over every layer. Sliding-window layers hold fewer tokens than the context: ``min(window, context)`` in
+    BF16 (transformers' own sliding layers) and, for the oscar methods, their BF16 ring of
+    ``window + max_chunk - 1`` tokens (the default ``sliding_storage="ring"``)."""
+    from .backend import BackendOptions
+    from .hf import sliding_windows
+
     heads, d = kv_geometry(model_config)
     fp_bits = torch.finfo(cache_dtype).bits
-    if method.kind == "bf16":
-        return float(fp_bits)
     if method.kind == "kivi":
         return kivi_bits_per_element(context, d, fp_bits=fp_bits, **method.options)
-    cache = PagedInt2KVCache(1, heads, d, max_seq_len=1, num_sinks=num_sinks, window=window,
-                             group_size=method.options.get("group_size"), dtype=cache_dtype, device="meta")
-    return cache.memory_report(context).bits_per_element
+    layers = model_config.num_hidden_layers
+    slides = sliding_windows(model_config)
+    if method.kind == "bf16":
+        full = fp_bits
+    else:
+        cache = PagedInt2KVCache(1, heads, d, max_seq_len=1, num_sinks=num_sinks, window=window,
+                                 group_size=method.options.get("group_size"), dtype=cache_dtype, device="meta")
+        full = cache.memory_report(context).bits_per_element
+    max_chunk = method.options.get("max_chunk", BackendOptions.max_chunk)
+    held = lambda w: min(w if method.kind == "bf16" else w + max_chunk - 1, context)  # noqa: E731
+    sliding_bits = sum(fp_bits * held(w) / context for w in slides.values())
+    return (full * (layers - len(slides)) + sliding_bits) / layers
 
 
 class Session:
