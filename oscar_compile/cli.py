@@ -88,7 +88,8 @@ def _eval(args) -> int:
             methods.append(Method("kivi-2", "kivi", options={"group": 32, "residual": 128}))
         else:
             label = f"{n} ({artifacts[n].method})" if n == "default" else n
-            methods.append(Method(label, "oscar", artifacts[n]))
+            grouped = {"group_size": args.group_size} if args.group_size else {}
+            methods.append(Method(label + (f" g{args.group_size}" if grouped else ""), "oscar", artifacts[n], grouped))
     cfg = EvalConfig(ppl_contexts=ints(args.ppl_contexts), ppl_decode=args.ppl_decode, ppl_sequences=args.ppl_sequences,
                      retrieval_lengths=ints(args.retrieval_lengths), retrieval_samples=args.retrieval_samples,
                      retrieval_depths=tuple(float(x) for x in args.retrieval_depths.split(",") if x),
@@ -251,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--retrieval-samples", type=int, default=1)
     ev.add_argument("--retrieval-depths", default="0.1,0.5,0.9")
     ev.add_argument("--retrieval-tasks", default="passkey,needle")
+    ev.add_argument("--group-size", type=int, default=None,
+                    help="channels per (scale, min) pair of the INT2 methods (default: head_dim, one pair a row)")
     ev.add_argument("--sinks", type=int, default=64)
     ev.add_argument("--window", type=int, default=256)
     ev.add_argument("--device", default="auto", help="cpu, cuda (auto: cuda when available); on CUDA the Triton kernels run")
