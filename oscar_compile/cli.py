@@ -88,8 +88,10 @@ def _eval(args) -> int:
             methods.append(Method("kivi-2", "kivi", options={"group": 32, "residual": 128}))
         else:
             label = f"{n} ({artifacts[n].method})" if n == "default" else n
-            grouped = {"group_size": args.group_size} if args.group_size else {}
-            methods.append(Method(label + (f" g{args.group_size}" if grouped else ""), "oscar", artifacts[n], grouped))
+            if args.group_size:
+                methods.append(Method(f"{label} g{args.group_size}", "oscar", artifacts[n], {"group_size": args.group_size}))
+            else:
+                methods.append(Method(label, "oscar", artifacts[n]))
     cfg = EvalConfig(ppl_contexts=ints(args.ppl_contexts), ppl_decode=args.ppl_decode, ppl_sequences=args.ppl_sequences,
                      retrieval_lengths=ints(args.retrieval_lengths), retrieval_samples=args.retrieval_samples,
                      retrieval_depths=tuple(float(x) for x in args.retrieval_depths.split(",") if x),
@@ -256,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="channels per (scale, min) pair of the INT2 methods (default: head_dim, one pair a row)")
     ev.add_argument("--sinks", type=int, default=64)
     ev.add_argument("--window", type=int, default=256)
-    ev.add_argument("--device", default="auto", help="cpu, cuda (auto: cuda when available); on CUDA the Triton kernels run")
+    ev.add_argument("--device", default="auto",
+                    help="cpu, cuda (auto: cuda when available); on CUDA the Triton kernels run")
     ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="model weights during evaluation (auto: bfloat16 on CUDA, float32 on the CPU)")
     ev.add_argument("--prefill-chunk", type=int, default=4096, help="prompts are prefilled in chunks of this many tokens")

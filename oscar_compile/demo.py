@@ -148,12 +148,13 @@ def run_demo(model_name: str = "smollm2-135m", method: str = "default", calib_to
         print("   " + str(cache.memory_report(ctx)))
     from .hf import sliding_windows
 
-    if sliding_windows(model):  # the report above is for full-attention layers; sliding ones hold a BF16 ring
+    slides = len(sliding_windows(model))
+    if slides:  # the report above is for full-attention layers; sliding ones hold a BF16 ring
         for ctx in (1024, 8192):
             ours = bits_per_element(model.config, Method("int2"), ctx, num_sinks, window)
             bf16 = bits_per_element(model.config, Method("bf16", "bf16"), ctx, num_sinks, window)
-            print(f"   with its {len(sliding_windows(model))} sliding-window layers (BF16 rings; transformers' BF16 "
-                  f"keeps each window): context {ctx}: {ours:.2f} bits/element against BF16's {bf16:.2f}")
+            print(f"   with its {slides} sliding-window layers (BF16 rings; transformers' BF16 keeps each window): "
+                  f"context {ctx}: {ours:.2f} bits/element against BF16's {bf16:.2f}")
 
     print(f"\n== 5. perplexity through the cache (Wikipedia, teacher-forced decode: {ppl_context} tokens of context, "
           f"{ppl_decode} scored decode steps; sinks {num_sinks}, window {window})")

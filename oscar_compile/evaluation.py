@@ -62,9 +62,8 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
         cache = PagedInt2KVCache(1, heads, d, max_seq_len=1, num_sinks=num_sinks, window=window,
                                  group_size=method.options.get("group_size"), dtype=cache_dtype, device="meta")
         full = cache.memory_report(context).bits_per_element
-    max_chunk = method.options.get("max_chunk", BackendOptions.max_chunk)
-    held = lambda w: min(w if method.kind == "bf16" else w + max_chunk - 1, context)  # noqa: E731
-    sliding_bits = sum(fp_bits * held(w) / context for w in slides.values())
+    ring_extra = 0 if method.kind == "bf16" else method.options.get("max_chunk", BackendOptions.max_chunk) - 1
+    sliding_bits = sum(fp_bits * min(w + ring_extra, context) / context for w in slides.values())
     return (full * (layers - len(slides)) + sliding_bits) / layers
 
 
@@ -103,6 +102,8 @@ class Session:
         """Logits after the last of ``ids`` (fed in chunks of ``prefill_chunk`` tokens, as serving prefills
         long prompts: each chunk reads the earlier ones from the cache; a sliding layer's ring takes no
         more than a chunk at a time)."""
+        if ids.shape[1] == 0:
+            raise ValueError("oscar eval: a session call needs at least one token")
         for start in range(0, ids.shape[1], self.prefill_chunk):
             out = self.fn(ids[:, start:start + self.prefill_chunk], **{self.kw: self.cache}, use_cache=True,
                           logits_to_keep=1)  # full logits of a long chunk would be GBs (vocabularies of 262K)
@@ -276,7 +277,8 @@ def run_eval(model, tok, methods: list[Method], eval_text: str, haystack_text: s
     longest = max((p.context_ids.shape[1] + p.question_ids.shape[1] for p in prompts), default=0) + 16
     for m in methods:
         torch._dynamo.reset()
-        s = Session(model, m, 1, longest, cfg.num_sinks, cfg.window, prefill_chunk=cfg.prefill_chunk)  # one compile per method, every prompt
+        # one compile per method, every prompt
+        s = Session(model, m, 1, longest, cfg.num_sinks, cfg.window, prefill_chunk=cfg.prefill_chunk)
         it = tqdm(prompts, desc=f"retrieval {m.name}", leave=False) if progress else prompts
         for p in it:
             s.restart()
