@@ -3,20 +3,25 @@
 # pieces over back-to-back calls (each call's transfer is capped at 64 MiB), then is reassembled here.
 #   bash benchmarks/eval_gpu.sh stage DIR            # a call that only carries pieces: copy DIR/* to /tmp/stage
 #   bash benchmarks/eval_gpu.sh run GGUF_NAME [oscar eval args...]
+#   bash benchmarks/eval_gpu.sh py GGUF_NAME SCRIPT [args...]   # the same staging, then a python script
 # "run" concatenates /tmp/stage/part* (in name order) into $OSCAR_CACHE/gguf/GGUF_NAME (the name the package's
 # assets expect; its sha256 is checked where the model is defined), installs carried wheels from .whl/ (gguf),
-# unpacks carried texts (*.tgz in the stage) into the cache, and runs `python -m oscar_compile eval --device cuda`.
+# unpacks carried texts (*.tgz in the stage) and tokenizers (tokenizers.tgz) into the cache, and runs `python -m oscar_compile eval --device cuda`.
 set -e
 export OSCAR_CACHE=${OSCAR_CACHE:-/tmp/oc} PYTHONUNBUFFERED=1
 mkdir -p /tmp/stage "$OSCAR_CACHE/gguf" "$OSCAR_CACHE/text"
 case $1 in
   stage) cp "$2"/* /tmp/stage/; ls -la /tmp/stage ;;
-  run) name=$2; shift 2
+  run|py) mode=$1 name=$2; shift 2
        [ -f "$OSCAR_CACHE/gguf/$name" ] || cat $(ls /tmp/stage/part* | sort) > "$OSCAR_CACHE/gguf/$name"
-       for t in /tmp/stage/*.tgz; do [ -f "$t" ] && tar xzf "$t" -C "$OSCAR_CACHE/text"; done
+       # texts.tgz holds texts; tokenizers.tgz, tokenizers saved by a transformers whose GGUF conversion is right
+       mkdir -p "$OSCAR_CACHE/tokenizers"
+       for t in /tmp/stage/*.tgz; do
+         case $t in */tokenizers.tgz) tar xzf "$t" -C "$OSCAR_CACHE/tokenizers" ;; *) tar xzf "$t" -C "$OSCAR_CACHE/text" ;; esac
+       done
        if ls .whl/*.whl > /dev/null 2>&1; then
          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
        fi
        export PYTHONPATH=$PWD:/tmp/site
-       python3 -m oscar_compile eval --device cuda "$@" ;;
+       if [ "$mode" = py ]; then python3 "$@"; else python3 -m oscar_compile eval --device cuda "$@"; fi ;;
 esac

