@@ -167,8 +167,10 @@ def test_run_eval_checkpoints_after_every_method():
     methods = [Method("bf16", "bf16"), Method("hadamard", "oscar", None, {"rotation": "hadamard"})]
     seen = []
     report = run_eval(model, tok, methods, text, text, cfg, progress=False, log=lambda *a: None,
-                      checkpoint=lambda rep: seen.append((len(rep["perplexity"]), len(rep["retrieval"]), rep["partial"])))
-    assert seen == [(1, 0, True), (2, 0, True), (2, 1, True), (2, 2, True)]
+                      checkpoint=lambda rep: seen.append((len(rep["perplexity"]), len(rep["retrieval"]), rep["partial"],
+                                                          "vs_bf16" in rep["perplexity"][-1])))
+    # a method's paired difference against bf16 is in the checkpoint right after it (a stopped run keeps it)
+    assert seen == [(1, 0, True, False), (2, 0, True, True), (2, 1, True, True), (2, 2, True, True)]
     assert "partial" not in report and [r["method"] for r in report["perplexity"]] == ["bf16", "hadamard"]
 
 
