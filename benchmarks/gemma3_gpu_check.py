@@ -3,18 +3,15 @@ session (Triton kernels, or the reference ops under OSCAR_KERNELS=reference) on 
 import math
 import os
 import sys
-from pathlib import Path
-
 import torch
 
-from oscar_compile.assets import load_model
+from oscar_compile.assets import load_model, load_text
 from oscar_compile.evaluation import Method, Session, token_nll
 
 name, context, steps, batch = sys.argv[1], int(sys.argv[2]), 32, 2
 only_session = os.environ.get("OSCAR_KERNELS") == "reference"
 model, tok = load_model(name)
-text = (Path(os.environ.get("OSCAR_CACHE", "/tmp/oc")) / "text" / "wikipedia.txt").read_text()
-ids = tok(text, return_tensors="pt").input_ids[0]
+ids = tok(load_text("wikipedia"), return_tensors="pt").input_ids[0]
 n = context + steps + 1
 tokens = torch.stack([ids[i * n:(i + 1) * n] for i in range(batch)]).cuda()
 

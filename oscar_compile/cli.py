@@ -88,10 +88,8 @@ def _eval(args) -> int:
             methods.append(Method("kivi-2", "kivi", options={"group": 32, "residual": 128}))
         else:
             label = f"{n} ({artifacts[n].method})" if n == "default" else n
-            if args.group_size:
-                methods.append(Method(f"{label} g{args.group_size}", "oscar", artifacts[n], {"group_size": args.group_size}))
-            else:
-                methods.append(Method(label, "oscar", artifacts[n]))
+            group = {"group_size": args.group_size} if args.group_size else {}
+            methods.append(Method(label + (f" g{args.group_size}" if group else ""), "oscar", artifacts[n], group))
     cfg = EvalConfig(ppl_contexts=ints(args.ppl_contexts), ppl_decode=args.ppl_decode, ppl_sequences=args.ppl_sequences,
                      retrieval_lengths=ints(args.retrieval_lengths), retrieval_samples=args.retrieval_samples,
                      retrieval_depths=tuple(float(x) for x in args.retrieval_depths.split(",") if x),

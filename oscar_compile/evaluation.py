@@ -261,18 +261,12 @@ def run_eval(model, tok, methods: list[Method], eval_text: str, haystack_text: s
             nll, n = per_token.sum().item(), per_token.numel()
             row = {"metric": "ppl", "method": m.name, "context": context, "ppl": math.exp(nll / n), "nll": nll / n,
                    "tokens": n, "bits_per_element": bits_per_element(model.config, m, length, cfg.num_sinks, cfg.window)}
-            base = next((nll for kind, nll, _ in per_method.values() if kind == "bf16"), None)
-            if base is not None and m.kind != "bf16":  # now, so a run stopped later keeps its intervals
-                row["vs_bf16"] = paired_delta(per_token, base)
             per_method[m.name] = (m.kind, per_token, row)
             rows.append(row)
+            _attach_paired_deltas(per_method)  # now, so a run stopped later keeps its intervals
             if checkpoint:
                 checkpoint(_report(cfg, methods, rows, retrieval, t0, partial=True))
             log(f"ppl  context {context:>6}  {m.name:<20} {row['ppl']:10.3f}   ({row['bits_per_element']:.2f} bits/element)")
-        base = next((nll for kind, nll, _ in per_method.values() if kind == "bf16"), None)
-        for kind, nll, row in per_method.values():  # methods measured before bf16
-            if base is not None and kind != "bf16" and "vs_bf16" not in row:  # same tokens: far tighter than either ppl
-                row["vs_bf16"] = paired_delta(nll, base)
     rng = random.Random(cfg.seed)
     prompts = [make_retrieval_prompt(tok, haystack_text, task, length, depth, rng)
                for task in cfg.retrieval_tasks for length in cfg.retrieval_lengths for depth in cfg.retrieval_depths
@@ -295,6 +289,15 @@ def run_eval(model, tok, methods: list[Method], eval_text: str, haystack_text: s
         if checkpoint:
             checkpoint(_report(cfg, methods, rows, retrieval, t0, partial=True))
     return _report(cfg, methods, rows, retrieval, t0)
+
+
+def _attach_paired_deltas(per_method: dict) -> None:
+    """Give every method measured at a context its paired difference against bf16 there, once bf16 is measured
+    (same tokens: far tighter than either perplexity)."""
+    base = next((nll for kind, nll, _ in per_method.values() if kind == "bf16"), None)
+    for kind, nll, row in per_method.values():
+        if base is not None and kind != "bf16" and "vs_bf16" not in row:
+            row["vs_bf16"] = paired_delta(nll, base)
 
 
 def _report(cfg, methods, rows, retrieval, t0, partial=False) -> dict:

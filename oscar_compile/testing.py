@@ -351,3 +351,39 @@ def prefill_and_decode(model, ids: torch.Tensor, cache, steps: int) -> torch.Ten
         logits.append(out.logits.clone())
         tok = logits[-1][:, -1:].argmax(-1)
     return torch.cat(logits, dim=1)
+
+
+def gemma3_like_model(device, dtype, window: int, layers: int = 2, hidden: int = 128):
+    """Gemma 3 270M's attention geometry (head_dim 256, one KV head for 4 query heads, q/k norms,
+    ``query_pre_attn_scalar``; five sliding layers to one full layer, or one of each at ``layers`` < 6),
+    small elsewhere; random weights."""
+    import transformers
+
+    pattern = ["sliding_attention"] * 5 + ["full_attention"]
+    layer_types = pattern * (layers // 6) if layers >= 6 else ["sliding_attention", "full_attention"]
+    cfg = transformers.Gemma3TextConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=1,
+                                        head_dim=256, query_pre_attn_scalar=256, sliding_window=window,
+                                        max_position_embeddings=32768, layer_types=layer_types, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    return model.eval().to(device=device, dtype=dtype)
+
+
+def quantize_off_vs_eager(model, context: int, steps: int, max_chunk: int, chunk: int, batch: int = 2,
+                          num_sinks: int = 4, window: int = 8) -> float:
+    """Relative error of the oscar session with quantization off (prompt prefilled in chunks of ``chunk``,
+    then ``steps`` decode steps, past a sliding ring's wrap) against one eager forward over the whole
+    sequence (transformers' own masks, no cache); logits centred per row (softmax ignores a shift)."""
+    from .evaluation import Method, Session
+
+    device, dtype = model.device, model.dtype
+    ids = torch.randint(1, model.config.vocab_size, (batch, context + steps),
+                        generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+    s = Session(model, Method("bf16", "bf16", options={"max_chunk": max_chunk}), batch, context + steps,
+                num_sinks=num_sinks, window=window, cache_dtype=dtype, prefill_chunk=chunk)
+    got = torch.stack([s(ids[:, :context])] + [s(ids[:, p : p + 1]) for p in range(context, context + steps - 1)], 1)
+    want = ref[:, context - 1 : context + steps - 1]
+    return rel_error(got - got.mean(-1, keepdim=True), want - want.mean(-1, keepdim=True))

@@ -188,37 +188,10 @@ def test_paired_delta_interval_covers_a_known_shift_and_uses_blocks():
         paired_delta(base, base[:, :10])
 
 
-def _gemma3_like(device, dtype, window):
-    """Gemma 3 270M's attention geometry (head_dim 256, one KV head for 4 query heads, q/k norms, a sliding
-    layer and a full one), small elsewhere; random weights."""
-    import transformers
-
-    cfg = transformers.Gemma3TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-                                        query_pre_attn_scalar=256, sliding_window=window, max_position_embeddings=8192,
-                                        layer_types=["sliding_attention", "full_attention"], pad_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    return model.eval().to(device=device, dtype=dtype)
-
-
 def _quantize_off_vs_eager(device, dtype, window, max_chunk, chunk, context, steps):
-    # quantization off, prompt prefilled in chunks, decoding past the sliding ring's wrap: each step's logits
-    # equal those of one eager forward over the whole sequence (transformers' own masks, no cache)
-    from oscar_compile.testing import rel_error
+    from oscar_compile.testing import gemma3_like_model, quantize_off_vs_eager
 
-    model = _gemma3_like(device, dtype, window)
-    ids = torch.randint(1, 512, (2, context + steps), generator=torch.Generator().manual_seed(3)).to(device)
-    with torch.no_grad():
-        ref = model(ids).logits.float()
-    s = Session(model, Method("bf16", "bf16", options={"max_chunk": max_chunk}), 2, context + steps, num_sinks=4,
-                window=8, cache_dtype=dtype, prefill_chunk=chunk)
-    got = [s(ids[:, :context])]
-    for p in range(context, context + steps - 1):
-        got.append(s(ids[:, p : p + 1]))
-    got = torch.stack(got, 1)
-    want = ref[:, context - 1 : context + steps - 1]
-    return rel_error(got - got.mean(-1, keepdim=True), want - want.mean(-1, keepdim=True))
+    return quantize_off_vs_eager(gemma3_like_model(device, dtype, window), context, steps, max_chunk, chunk)
 
 
 def test_gemma3_geometry_quantize_off_equals_eager_past_the_ring():
