@@ -32,6 +32,7 @@ in place of the hand prefetch was measured slower on the H200 and removed
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -306,7 +307,8 @@ def _attn_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, PS: tl.constexpr, HAS_RING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_CHUNK: tl.constexpr, DT: tl.constexpr, KC: tl.constexpr, ALIGNED: tl.constexpr, ABLATE: tl.constexpr,
-    USE_ASM: tl.constexpr, REGION: tl.constexpr, FRAG: tl.constexpr,
+    USE_ASM: tl.constexpr, REGION: tl.constexpr, FRAG: tl.constexpr, DENSE_CHUNK: tl.constexpr = False,
+    CDT: tl.constexpr = tl.float16, SKIP_MASKED: tl.constexpr = True,
 ):
     """One split of one row block: REGION 0 = INT2 pages (splits ``0 .. NSPLIT-1``), 1 = BF16 keys
     (splits ``NSPLIT ..``). Two launches, so each region's code gets registers of its own.
@@ -384,7 +386,10 @@ def _attn_kernel(
         uperm = dcol
         qq = tl.load(qrow + dcol[None, :], mask=row_ok[:, None], other=0.0)
         n_sink = tl.minimum(length, S)
-        n_bf16 = n_sink + tl.maximum(length - page_end, 0)
+        # DENSE_CHUNK (prefill, one BF16 split): this loop takes the sinks and the ring keys before the chunk,
+        # and the chunk's own keys get a loop of their own below (contiguous rows: loads that pipeline)
+        bf16_end = tl.minimum(c0, length) if DENSE_CHUNK else length
+        n_bf16 = n_sink + tl.maximum(bf16_end - page_end, 0)
         u_lo = (split - NSPLIT) * bf16_per_split  # this split's share of the BF16 keys
         u_hi = tl.minimum(u_lo + bf16_per_split, n_bf16)
         if IS_CAUSAL:  # keys past the block's newest query position are never visible: stop there
@@ -425,6 +430,34 @@ def _attn_kernel(
                 p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
                 acc = tl.dot(p.to(DT), v, acc * alpha[:, None])
                 m_i = m_new
+        if DENSE_CHUNK:
+            # The chunk's keys [max(c0, S), c_hi): a flash-attention loop over contiguous rows in the chunk's own
+            # dtype (bf16 operands need no conversion, so the loads go straight to shared memory). Sink positions
+            # inside the chunk were read from the sink buffer above.
+            c_hi = tl.minimum(c_end, length)
+            if IS_CAUSAL:
+                c_hi = tl.minimum(c_hi, tl.max(tl.where(row_ok, row_pos, -1), 0) + 1)
+            qc = qq.to(CDT)
+            for j0 in range(tl.maximum(c0, S), c_hi, BLOCK_N):
+                j = j0 + nblk
+                key_ok = j < c_hi
+                row_c = b * sch_b + tl.where(key_ok, j - c0, 0) * sch_t + h * sch_h
+                k = tl.load(kch_ptr + row_c[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(CDT)
+                v = tl.load(vch_ptr + row_c[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(CDT)
+                vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
+                                        mask_len, IS_CAUSAL, MASK_KIND)
+                vis = vis & (row_pos >= 0)[:, None]
+                if SKIP_MASKED:  # a block no row sees (a mask's upper triangle) costs its loads only
+                    if tl.max(tl.max(vis.to(tl.int32), 1), 0) > 0:
+                        s = tl.where(vis, tl.dot(qc, tl.trans(k)) + bias, float("-inf"))
+                        p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
+                        acc = tl.dot(p.to(CDT), v, acc * alpha[:, None])
+                        m_i = m_new
+                else:
+                    s = tl.where(vis, tl.dot(qc, tl.trans(k)) + bias, float("-inf"))
+                    p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
+                    acc = tl.dot(p.to(CDT), v, acc * alpha[:, None])
+                    m_i = m_new
 
     # partial softmax state of this split: m, l and the unnormalized output (rotated basis)
     base = (pid_bh * M_TOTAL + r) * NS + split
@@ -770,7 +803,8 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      splits: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                      dot_dtype: torch.dtype = torch.float16, ablate: int = 0, unpack: str | None = None,
                      maxnreg: int | None = None, page_warps: int | None = None, bf16_warps: int | None = None,
-                     temp_budget: int = TEMP_BYTES_BUDGET, page_kernel: str | None = None):
+                     temp_budget: int = TEMP_BYTES_BUDGET, page_kernel: str | None = None,
+                     dense_chunk: bool | None = None, skip_masked: bool = True, bf16_block_m: int | None = None):
     """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
 
     ``page_kernel``: ``"gluon"``, ``"triton"`` or None (:data:`PAGE_KERNEL`, by default the Gluon decode
@@ -803,6 +837,12 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
         mask, mask_kind, mask_len = None, 0, 0
     kernel = "triton" if ablate else choose_page_kernel(q, geo, k_codes, k_meta, t, mask_kind, dot_dtype, page_kernel)
     tiles = plan_tiles(b, hq, t, geo, dev, block_n, splits, temp_budget, chunk_len=chunk_len, page_kernel=kernel)
+    if dense_chunk and has_chunk:  # forced (tests, measurements): all BF16 keys of a row block in one split
+        every = triton.cdiv(geo.num_sinks + geo.window + chunk_len, BF16_BLOCK_N) * BF16_BLOCK_N
+        tiles = [(t0, dataclasses.replace(p, bf16_per_split=every, nb=1)) for t0, p in tiles]
+    if bf16_block_m:  # a measurement option: the BF16 region's query rows a program
+        tiles = [(t0, dataclasses.replace(p, block_m=bf16_block_m, m_blocks=triton.cdiv(p.m_total, bf16_block_m)))
+                 for t0, p in tiles]
     LAST_LAUNCH["plan"] = tiles[0][1]
     if has_chunk:
         cpos = chunk_positions.expand(b, chunk_len) if chunk_positions.dim() == 1 else chunk_positions
@@ -835,16 +875,18 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      None if mask is None else mask[:, :, t0:t1], mask_kind, mask_len, bq, bo, muv, is_causal, scale,
                      qq, part_m, part_l, part_o, out[:, :, t0:t1], geo, h, g, d, dt, use_asm, aligned, ablate,
                      num_warps, num_stages, maxnreg, page_warps, bf16_warps, has_chunk,
-                     fragment_order.in_fragment_order(k_codes))
+                     fragment_order.in_fragment_order(k_codes), dense_chunk, skip_masked)
     return out
 
 
 def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring,
                  block_table, mask, mask_kind, mask_len, bq, bo, muv, is_causal, scale, qq, part_m, part_l, part_o,
                  out, geo, h, g, d, dt, use_asm, aligned, ablate, num_warps, num_stages, maxnreg, page_warps, bf16_warps,
-                 has_chunk, frag):
+                 has_chunk, frag, dense_chunk=None, skip_masked=True):
     """The four launches of one query tile: rotate queries, page region (Gluon or Triton), BF16 keys, merge."""
     b = q.shape[0]
+    if dense_chunk is None:  # a prefill chunk (one BF16 split a row block): its own keys in a loop of their own
+        dense_chunk = has_chunk and plan.nb == 1 and kch.shape[1] >= 16 and not ablate
     m_total, ns = plan.m_total, plan.ns
     smk = mask.stride() if mask is not None else (0, 0, 0, 0)
     rows = b * m_total  # a KV head's query rows, over all batch rows
@@ -879,8 +921,15 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     else:
         LAST_LAUNCH["attention"] = _attn_kernel[(b * h, plan.page_m_blocks, plan.nsplit)](
             *args, REGION=0, BLOCK_M=plan.page_m, BLOCK_N=plan.block_n, **meta, **page_opts)
+    # the chunk loop's operand dtype: the chunk's own 16-bit type (no conversion before the tensor cores); the
+    # interpreter's bf16 arithmetic is wrong (DESIGN.md section 5), so it converts to fp16 there
+    cdt = dt if _INTERPRET else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(kch.dtype, dt)
+    if dense_chunk and plan.nb != 1:
+        raise ValueError("oscar: dense_chunk needs the BF16 keys in one split (a prefill plan)")
+    LAST_LAUNCH["dense_chunk"] = bool(dense_chunk)
     LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, plan.m_blocks, plan.nb)](
-        *args, REGION=1, BLOCK_M=plan.block_m, BLOCK_N=BF16_BLOCK_N, num_warps=bf16_warps or num_warps or 4, **meta)
+        *args, REGION=1, BLOCK_M=plan.block_m, BLOCK_N=BF16_BLOCK_N, num_warps=bf16_warps or num_warps or 4,
+        DENSE_CHUNK=bool(dense_chunk), CDT=cdt, SKIP_MASKED=bool(skip_masked), **meta)
     merge_m = 16
     # A decode step (one row block) merges many splits (~66 at batch 1) in few programs: read twice as
     # many splits a step with twice the warps (same registers a thread). H200, 1 x 128K: the merge took

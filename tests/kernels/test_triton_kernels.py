@@ -120,26 +120,26 @@ def test_many_key_blocks_and_splits_small():
     _run_case(h=1, gqa=4, d=64, lengths=(150,), s=2, w=3, ps=8, decode_steps=1, seed=4, block_n=16, splits=11)
 
 
-def _prefill_chunks(h, gqa, d, chunks, s, w, ps, mask, seed, **kernel_options):
+def _prefill_chunks(h, gqa, d, chunks, s, w, ps, mask, seed, dtype=torch.float32, tol=ATTN_TOL, **kernel_options):
     """A prompt stored and attended in ``chunks`` (each [batch] lengths), every chunk checked against the
     reference: later chunks read the earlier ones from the cache (pages, ring) and themselves exactly."""
     gen = torch.Generator().manual_seed(seed)
     batch = len(chunks[0])
     max_len = sum(max(c) for c in chunks) + 1
-    ref, got = twin_caches(h, d, batch, max_len, s, w, ps, None, torch.float32, "invertible", 0.95, seed, device=DEV)
+    ref, got = twin_caches(h, d, batch, max_len, s, w, ps, None, dtype, "invertible", 0.95, seed, device=DEV)
     start = [0] * batch
     for chunk in chunks:
         t = max(chunk)
         pos = torch.stack([torch.where(torch.arange(t) < n, st + torch.arange(t), -1)
                            for st, n in zip(start, chunk)]).to(DEV)
-        k, v = (torch.randn(batch, h, t, d, generator=gen).to(DEV) for _ in range(2))
+        k, v = (torch.randn(batch, h, t, d, generator=gen).to(DEV, dtype) for _ in range(2))
         ck, cv = store_reference(*ref.store_args(0, k, v, pos))
         store_triton(*got.store_args(0, k, v, pos))
-        q = torch.randn(batch, h * gqa, t, d, generator=gen).to(DEV)
+        q = torch.randn(batch, h * gqa, t, d, generator=gen).to(DEV, dtype)
         causal = torch.arange(max_len, device=DEV)[None, None, None, :] <= pos[:, None, :, None]
         m = causal if mask else None  # a bool mask (as transformers passes) or is_causal
         a = ref.attention_args(0, q, pos, pos.amax(-1) + 1, m, not mask, chunk=(ck, cv, pos))
-        assert rel_error(attention_triton(*a, **kernel_options), attention_reference(*a)) < ATTN_TOL
+        assert rel_error(attention_triton(*a, **kernel_options), attention_reference(*a)) < tol
         start = [st + n for st, n in zip(start, chunk)]
     return LAST_LAUNCH["plan"]
 
@@ -152,6 +152,30 @@ def test_prefill_in_query_tiles_small(mask):
     plan = _prefill_chunks(h=1, gqa=2, d=64, chunks=[(37, 20), (29, 33)], s=2, w=6, ps=8, mask=mask, seed=7,
                            temp_budget=budget, block_n=16)
     assert plan.tile_tokens < 33 and plan.temp_bytes <= budget
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["causal", "bool_mask"])
+@pytest.mark.parametrize("skip_masked", [True, False], ids=["skip", "no_skip"])
+def test_prefill_dense_chunk_loop_small(mask, skip_masked):
+    # The chunk's own keys in their own loop (a prefill plan): chunks shorter and longer than the sinks + window,
+    # padding, the first chunk overlapping the sink positions (read once, from the sink buffer)
+    _prefill_chunks(h=1, gqa=2, d=64, chunks=[(37, 20), (29, 33)], s=2, w=6, ps=8, mask=mask, seed=7, block_n=16,
+                    dense_chunk=True, skip_masked=skip_masked)
+    assert LAST_LAUNCH["dense_chunk"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("mask", [False, True], ids=["causal", "bool_mask"])
+def test_prefill_dense_chunk_bf16_gpu(mask):
+    # Llama-3-8B heads, bf16 caches: the plan picks the dense chunk loop by itself, whose tensor-core operands are
+    # bf16 (8 mantissa bits for q', k and P, ~2e-3 relative rounding each, against 11 bits in fp16): 1e-2.
+    _prefill_chunks(h=8, gqa=4, d=128, chunks=[(300, 1000), (700, 517), (1, 3)], s=64, w=256, ps=16, mask=mask,
+                    seed=11, dtype=torch.bfloat16, tol=1e-2)
+    assert LAST_LAUNCH["dense_chunk"] is False  # the last chunk (3 tokens) splits its keys: the gathered loop
+    _prefill_chunks(h=8, gqa=4, d=128, chunks=[(300, 1000), (700, 517)], s=64, w=256, ps=16, mask=mask,
+                    seed=12, dtype=torch.bfloat16, tol=1e-2)
+    assert LAST_LAUNCH["dense_chunk"]
 
 
 LLAMA3_8B_LAYER = dict(num_kv_heads=8, head_dim=128, num_groups=1, num_sinks=64, window=256, page_size=16)
