@@ -76,9 +76,14 @@ def _eval(args) -> int:
              "bfloat16": torch.bfloat16}[args.dtype]
     model, tok = load_model(args.model)  # float32 on the CPU: calibration and the artifact hash see these weights
     names = args.methods.split(",")
-    needs_stats = [n for n in names if n not in ("bf16", "kivi")]
-    # cached per (model, method, tokens) like the demo's: a second eval run does not recalibrate
-    artifacts, _ = cached_artifacts_for(model, tok, args.model, needs_stats, args.calib_tokens)
+    # "method@S": calibrated in sequences of S tokens (default --calib-seq-len)
+    seq_of = {n: int(n.split("@")[1]) if "@" in n else args.calib_seq_len for n in names}
+    artifacts = {}
+    for seq in sorted(set(seq_of.values())):
+        needs_stats = [n.split("@")[0] for n in names if n not in ("bf16", "kivi") and seq_of[n] == seq]
+        # cached per (model, method, tokens, sequence length) like the demo's: a second eval run does not recalibrate
+        found, _ = cached_artifacts_for(model, tok, args.model, needs_stats, args.calib_tokens, seq_len=seq)
+        artifacts.update({n: found[n.split("@")[0]] for n in names if n.split("@")[0] in found and seq_of[n] == seq})
     model.to(device=device, dtype=dtype)
     methods = []
     for n in names:
@@ -87,7 +92,7 @@ def _eval(args) -> int:
         elif n == "kivi":
             methods.append(Method("kivi-2", "kivi", options={"group": 32, "residual": 128}))
         else:
-            label = f"{n} ({artifacts[n].method})" if n == "default" else n
+            label = f"{n} ({artifacts[n].method})" if n.split("@")[0] == "default" else n
             group = {"group_size": args.group_size} if args.group_size else {}
             methods.append(Method(label + (f" g{args.group_size}" if group else ""), "oscar", artifacts[n], group))
     cfg = EvalConfig(ppl_contexts=ints(args.ppl_contexts), ppl_decode=args.ppl_decode, ppl_sequences=args.ppl_sequences,
@@ -245,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--haystack", default="paul-graham", help="filler text of the retrieval prompts: a file or a packaged text")
     ev.add_argument("--methods", default="bf16,kivi,identity,hadamard,oscar,default")
     ev.add_argument("--calib-tokens", type=int, default=32768)
+    ev.add_argument("--calib-seq-len", type=int, default=512,
+                    help="calibration sequence length; a method written name@S overrides it (e.g. default@4096)")
     ev.add_argument("--ppl-contexts", default="512,2048")
     ev.add_argument("--ppl-decode", type=int, default=64)
     ev.add_argument("--ppl-sequences", type=int, default=4)

@@ -32,9 +32,11 @@ def calibration_text_name() -> str:
     return "paul-graham"
 
 
-def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens: int, progress: bool = True):
+def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens: int, progress: bool = True,
+                         seq_len: int = 512):
     """Artifacts of each method for ``model``, calibrated on the handbook (see :func:`calibration_text_name`)
-    and cached under the user cache dir. The statistics are collected once, for the methods not cached.
+    in sequences of ``seq_len`` tokens and cached under the user cache dir. The statistics are collected once,
+    for the methods not cached.
 
     Returns ``({method: Artifacts}, {methods loaded from the cache})``.
     """
@@ -42,7 +44,8 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
     from .calibration import ArtifactError, collect_statistics, derive_artifacts, load_artifacts, parse_method, token_batches
 
     def path(method):
-        return cache_dir() / "artifacts" / f"{model_name}-{parse_method(method).name}-{tokens}"
+        seq = "" if seq_len == 512 else f"-s{seq_len}"
+        return cache_dir() / "artifacts" / f"{model_name}-{parse_method(method).name}-{tokens}{seq}"
 
     found, cached = {}, set()
     wanted = list(dict.fromkeys(methods))  # unique, in order
@@ -59,7 +62,7 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
     if missing:
         text_name = calibration_text_name()
         tok_ids = tok(load_text(text_name), return_tensors="pt").input_ids[0]
-        seq, bs = 512, 4
+        seq, bs = seq_len, max(1, 2048 // seq_len)  # 4 x 512 by default; one sequence a batch from 2048 tokens
         batches = token_batches(tok_ids, seq, bs, max_tokens=tokens + seq * bs)
         stats = collect_statistics(model, batches, data_description=text_name, progress=progress)
         for method in missing:

@@ -308,7 +308,7 @@ def _attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_CHUNK: tl.constexpr, DT: tl.constexpr, KC: tl.constexpr, ALIGNED: tl.constexpr, ABLATE: tl.constexpr,
     USE_ASM: tl.constexpr, REGION: tl.constexpr, FRAG: tl.constexpr, DENSE_CHUNK: tl.constexpr = False,
-    CDT: tl.constexpr = tl.float16, SKIP_MASKED: tl.constexpr = True,
+    CDT: tl.constexpr = tl.float16,
 ):
     """One split of one row block: REGION 0 = INT2 pages (splits ``0 .. NSPLIT-1``), 1 = BF16 keys
     (splits ``NSPLIT ..``). Two launches, so each region's code gets registers of its own.
@@ -318,7 +318,7 @@ def _attn_kernel(
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     m_block = tl.program_id(1)
-    split = tl.program_id(2) + REGION * NSPLIT
+    split = tl.program_id(2) + REGION * NSPLIT if REGION < 2 else NS - 1  # REGION 2: the last partial state
 
     r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < M_TOTAL
@@ -381,13 +381,50 @@ def _attn_kernel(
                 acc = _dequant_dot_values(p, vw, vm, acc, BLOCK_N, D, NG, DT, USE_ASM)
             m_i = m_new
             kw, km, vw, vm = kw_n, km_n, vw_n, vm_n
+    elif REGION == 2:
+        # ---------------- the chunk's own keys [max(c0, S), c_hi) (prefill): a flash-attention loop over its
+        # contiguous rows in the chunk's 16-bit type (no conversion before the tensor cores, so the loads go
+        # straight to shared memory and pipeline). Sink positions inside the chunk are read by REGION 1.
+        uperm = dcol
+        qc = tl.load(qrow + dcol[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(CDT)
+        c_lo = tl.maximum(c0, S)
+        c_hi = tl.minimum(c_end, length)
+        if IS_CAUSAL:
+            c_hi = tl.minimum(c_hi, tl.max(tl.where(row_ok, row_pos, -1), 0) + 1)
+        if MASK_KIND != 0:
+            # The keys a mask leaves visible to this block (its upper triangle, a sliding window's far past) bound
+            # the loop: one pass over the mask tiles (bytes, in L2) instead of branching around each block's dots,
+            # which would stop the loads from pipelining.
+            first = c_hi
+            last = c_lo - 1
+            for j0 in range(c_lo, c_hi, BLOCK_N):
+                j = j0 + nblk
+                vis, _ = _visibility(j, j < c_hi, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
+                                     mask_len, IS_CAUSAL, MASK_KIND)
+                seen = tl.max((vis & (row_pos >= 0)[:, None]).to(tl.int32), 0) > 0
+                first = tl.minimum(first, tl.min(tl.where(seen, j, c_hi), 0))
+                last = tl.maximum(last, tl.max(tl.where(seen, j, c_lo - 1), 0))
+            c_lo = first
+            c_hi = last + 1
+        for j0 in range(c_lo, c_hi, BLOCK_N):
+            j = j0 + nblk
+            key_ok = j < c_hi
+            row_c = b * sch_b + tl.where(key_ok, j - c0, 0) * sch_t + h * sch_h
+            k = tl.load(kch_ptr + row_c[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(CDT)
+            v = tl.load(vch_ptr + row_c[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(CDT)
+            vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
+                                    mask_len, IS_CAUSAL, MASK_KIND)
+            vis = vis & (row_pos >= 0)[:, None]
+            s = tl.where(vis, tl.dot(qc, tl.trans(k)) + bias, float("-inf"))
+            p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
+            acc = tl.dot(p.to(CDT), v, acc * alpha[:, None])
+            m_i = m_new
     else:
         # ---------------- BF16 keys: sinks [0, min(S, L)), then [page_end, L) from the ring or the chunk
         uperm = dcol
         qq = tl.load(qrow + dcol[None, :], mask=row_ok[:, None], other=0.0)
         n_sink = tl.minimum(length, S)
-        # DENSE_CHUNK (prefill, one BF16 split): this loop takes the sinks and the ring keys before the chunk,
-        # and the chunk's own keys get a loop of their own below (contiguous rows: loads that pipeline)
+        # DENSE_CHUNK (prefill): this loop takes the sinks and the ring keys before the chunk, REGION 2 the chunk
         bf16_end = tl.minimum(c0, length) if DENSE_CHUNK else length
         n_bf16 = n_sink + tl.maximum(bf16_end - page_end, 0)
         u_lo = (split - NSPLIT) * bf16_per_split  # this split's share of the BF16 keys
@@ -430,35 +467,6 @@ def _attn_kernel(
                 p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
                 acc = tl.dot(p.to(DT), v, acc * alpha[:, None])
                 m_i = m_new
-        if DENSE_CHUNK:
-            # The chunk's keys [max(c0, S), c_hi): a flash-attention loop over contiguous rows in the chunk's own
-            # dtype (bf16 operands need no conversion, so the loads go straight to shared memory). Sink positions
-            # inside the chunk were read from the sink buffer above.
-            c_hi = tl.minimum(c_end, length)
-            if IS_CAUSAL:
-                c_hi = tl.minimum(c_hi, tl.max(tl.where(row_ok, row_pos, -1), 0) + 1)
-            qc = qq.to(CDT)
-            for j0 in range(tl.maximum(c0, S), c_hi, BLOCK_N):
-                j = j0 + nblk
-                key_ok = j < c_hi
-                row_c = b * sch_b + tl.where(key_ok, j - c0, 0) * sch_t + h * sch_h
-                k = tl.load(kch_ptr + row_c[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(CDT)
-                v = tl.load(vch_ptr + row_c[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(CDT)
-                vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
-                                        mask_len, IS_CAUSAL, MASK_KIND)
-                vis = vis & (row_pos >= 0)[:, None]
-                if SKIP_MASKED:  # a block no row sees (a mask's upper triangle) costs its loads only
-                    if tl.max(tl.max(vis.to(tl.int32), 1), 0) > 0:
-                        s = tl.where(vis, tl.dot(qc, tl.trans(k)) + bias, float("-inf"))
-                        p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
-                        acc = tl.dot(p.to(CDT), v, acc * alpha[:, None])
-                        m_i = m_new
-                else:
-                    s = tl.where(vis, tl.dot(qc, tl.trans(k)) + bias, float("-inf"))
-                    p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
-                    acc = tl.dot(p.to(CDT), v, acc * alpha[:, None])
-                    m_i = m_new
-
     # partial softmax state of this split: m, l and the unnormalized output (rotated basis)
     base = (pid_bh * M_TOTAL + r) * NS + split
     tl.store(part_m_ptr + base, m_i, mask=row_ok)
@@ -604,10 +612,11 @@ class AttentionPlan:
     temp_bytes: int  # what one tile allocates (qq + partial states)
     page_kernel: str = "triton"  # which kernel reads the INT2 pages: "gluon" (decode, gluon_decode.py), "triton" or "none"
     gluon: GluonConfig | None = None  # the Gluon kernel's launch shape (page_kernel "gluon")
+    nc: int = 0  # 1: the chunk's own keys in a launch of their own (REGION 2, prefill), with the last partial state
 
     @property
     def ns(self) -> int:
-        return self.nsplit + self.nb
+        return self.nsplit + self.nb + self.nc
 
 
 BF16_BLOCK_N = 64
@@ -722,9 +731,12 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
     page_m = min(block_m, 32)
     page_m_blocks = triton.cdiv(m_total, page_m)
     page_keys = geo.max_pages * geo.page_size
-    bf16_keys = max(1, geo.num_sinks + geo.window + chunk_len)  # sinks, ring and the new chunk
     # Query blocks alone fill the GPU (prefill): splitting the keys would only add partial states to merge.
     filled = b * h * m_blocks >= 2 * sms
+    # A prefill chunk's own keys (contiguous rows) get a flash-attention launch of their own (REGION 2); the BF16
+    # launch then reads only the sinks and the ring (gathered rows)
+    nc = 1 if filled and not splits and chunk_len >= 16 else 0
+    bf16_keys = max(1, geo.num_sinks + geo.window + (0 if nc else chunk_len))  # sinks, ring and the new chunk
     page_kernel = page_kernel if tq == 1 else "triton"  # the Gluon kernel takes one query token a row
     gluon = gluon_config(b * h, sms) if page_kernel == "gluon" else None
     if geo.drops_evicted:  # no pages (a sliding-window layer's ring-only storage): no page region at all
@@ -750,9 +762,9 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
         bf16_per_split = triton.cdiv(min(per_page_split, fill), BF16_BLOCK_N) * BF16_BLOCK_N
     nb = triton.cdiv(bf16_keys, bf16_per_split)
     rows = b * h * m_total
-    temp = rows * d * 2 + rows * (nsplit + nb) * (d + 2) * 4  # qq (fp16) + partial o, m, l (fp32)
+    temp = rows * d * 2 + rows * (nsplit + nb + nc) * (d + 2) * 4  # qq (fp16) + partial o, m, l (fp32)
     return AttentionPlan(tq, m_total, block_m, m_blocks, page_m, page_m_blocks, block_n, nsplit, keys_per_split,
-                         bf16_per_split, nb, temp, page_kernel, gluon)
+                         bf16_per_split, nb, temp, page_kernel, gluon, nc)
 
 
 def plan_attention(b: int, hq: int, t: int, geo, device, block_n: int | None = None, splits: int | None = None,
@@ -804,7 +816,8 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      dot_dtype: torch.dtype = torch.float16, ablate: int = 0, unpack: str | None = None,
                      maxnreg: int | None = None, page_warps: int | None = None, bf16_warps: int | None = None,
                      temp_budget: int = TEMP_BYTES_BUDGET, page_kernel: str | None = None,
-                     dense_chunk: bool | None = None, skip_masked: bool = True, bf16_block_m: int | None = None):
+                     dense_chunk: bool | None = None, bf16_block_m: int | None = None, page_block_m: int | None = None,
+                     chunk_block_m: int | None = None, chunk_warps: int | None = None):
     """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
 
     ``page_kernel``: ``"gluon"``, ``"triton"`` or None (:data:`PAGE_KERNEL`, by default the Gluon decode
@@ -837,9 +850,13 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
         mask, mask_kind, mask_len = None, 0, 0
     kernel = "triton" if ablate else choose_page_kernel(q, geo, k_codes, k_meta, t, mask_kind, dot_dtype, page_kernel)
     tiles = plan_tiles(b, hq, t, geo, dev, block_n, splits, temp_budget, chunk_len=chunk_len, page_kernel=kernel)
-    if dense_chunk and has_chunk:  # forced (tests, measurements): all BF16 keys of a row block in one split
-        every = triton.cdiv(geo.num_sinks + geo.window + chunk_len, BF16_BLOCK_N) * BF16_BLOCK_N
-        tiles = [(t0, dataclasses.replace(p, bf16_per_split=every, nb=1)) for t0, p in tiles]
+    if dense_chunk is not None and has_chunk and not ablate:  # forced either way (tests, measurements)
+        every = triton.cdiv(geo.num_sinks + geo.window + (0 if dense_chunk else chunk_len), BF16_BLOCK_N) * BF16_BLOCK_N
+        tiles = [(t0, p if p.nc == int(dense_chunk) else
+                  dataclasses.replace(p, bf16_per_split=every, nb=1, nc=int(dense_chunk))) for t0, p in tiles]
+    if page_block_m:  # a measurement option: the Triton page region's query rows a program
+        tiles = [(t0, dataclasses.replace(p, page_m=page_block_m, page_m_blocks=triton.cdiv(p.m_total, page_block_m)))
+                 for t0, p in tiles]
     if bf16_block_m:  # a measurement option: the BF16 region's query rows a program
         tiles = [(t0, dataclasses.replace(p, block_m=bf16_block_m, m_blocks=triton.cdiv(p.m_total, bf16_block_m)))
                  for t0, p in tiles]
@@ -875,18 +892,18 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      None if mask is None else mask[:, :, t0:t1], mask_kind, mask_len, bq, bo, muv, is_causal, scale,
                      qq, part_m, part_l, part_o, out[:, :, t0:t1], geo, h, g, d, dt, use_asm, aligned, ablate,
                      num_warps, num_stages, maxnreg, page_warps, bf16_warps, has_chunk,
-                     fragment_order.in_fragment_order(k_codes), dense_chunk, skip_masked)
+                     fragment_order.in_fragment_order(k_codes), chunk_block_m, chunk_warps)
     return out
 
 
 def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring,
                  block_table, mask, mask_kind, mask_len, bq, bo, muv, is_causal, scale, qq, part_m, part_l, part_o,
                  out, geo, h, g, d, dt, use_asm, aligned, ablate, num_warps, num_stages, maxnreg, page_warps, bf16_warps,
-                 has_chunk, frag, dense_chunk=None, skip_masked=True):
-    """The four launches of one query tile: rotate queries, page region (Gluon or Triton), BF16 keys, merge."""
+                 has_chunk, frag, chunk_block_m=None, chunk_warps=None):
+    """The launches of one query tile: rotate queries, page region (Gluon or Triton), BF16 keys, the chunk's own
+    keys (prefill), merge."""
     b = q.shape[0]
-    if dense_chunk is None:  # a prefill chunk (one BF16 split a row block): its own keys in a loop of their own
-        dense_chunk = has_chunk and plan.nb == 1 and kch.shape[1] >= 16 and not ablate
+    dense_chunk = bool(plan.nc) and has_chunk
     m_total, ns = plan.m_total, plan.ns
     smk = mask.stride() if mask is not None else (0, 0, 0, 0)
     rows = b * m_total  # a KV head's query rows, over all batch rows
@@ -924,12 +941,19 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     # the chunk loop's operand dtype: the chunk's own 16-bit type (no conversion before the tensor cores); the
     # interpreter's bf16 arithmetic is wrong (DESIGN.md section 5), so it converts to fp16 there
     cdt = dt if _INTERPRET else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(kch.dtype, dt)
-    if dense_chunk and plan.nb != 1:
-        raise ValueError("oscar: dense_chunk needs the BF16 keys in one split (a prefill plan)")
-    LAST_LAUNCH["dense_chunk"] = bool(dense_chunk)
+    if dense_chunk and plan.nb != 1:  # pragma: no cover - the plan gives a prefill one BF16 split
+        raise ValueError("oscar: the chunk's own launch needs the BF16 keys in one split (a prefill plan)")
+    LAST_LAUNCH["dense_chunk"] = dense_chunk
     LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, plan.m_blocks, plan.nb)](
         *args, REGION=1, BLOCK_M=plan.block_m, BLOCK_N=BF16_BLOCK_N, num_warps=bf16_warps or num_warps or 4,
-        DENSE_CHUNK=bool(dense_chunk), CDT=cdt, SKIP_MASKED=bool(skip_masked), **meta)
+        DENSE_CHUNK=dense_chunk, CDT=cdt, **meta)
+    if dense_chunk:
+        cm = chunk_block_m or plan.block_m
+        LAST_LAUNCH["attention_chunk"] = _attn_kernel[(b * h, triton.cdiv(m_total, cm), 1)](
+            *args, REGION=2, BLOCK_M=cm, BLOCK_N=BF16_BLOCK_N, num_warps=chunk_warps or num_warps or 4,
+            DENSE_CHUNK=True, CDT=cdt, **meta)
+    else:
+        LAST_LAUNCH.pop("attention_chunk", None)
     merge_m = 16
     # A decode step (one row block) merges many splits (~66 at batch 1) in few programs: read twice as
     # many splits a step with twice the warps (same registers a thread). H200, 1 x 128K: the merge took

@@ -120,7 +120,8 @@ def test_many_key_blocks_and_splits_small():
     _run_case(h=1, gqa=4, d=64, lengths=(150,), s=2, w=3, ps=8, decode_steps=1, seed=4, block_n=16, splits=11)
 
 
-def _prefill_chunks(h, gqa, d, chunks, s, w, ps, mask, seed, dtype=torch.float32, tol=ATTN_TOL, **kernel_options):
+def _prefill_chunks(h, gqa, d, chunks, s, w, ps, mask, seed, dtype=torch.float32, tol=ATTN_TOL, mask_window=None,
+                    **kernel_options):
     """A prompt stored and attended in ``chunks`` (each [batch] lengths), every chunk checked against the
     reference: later chunks read the earlier ones from the cache (pages, ring) and themselves exactly."""
     gen = torch.Generator().manual_seed(seed)
@@ -137,6 +138,8 @@ def _prefill_chunks(h, gqa, d, chunks, s, w, ps, mask, seed, dtype=torch.float32
         store_triton(*got.store_args(0, k, v, pos))
         q = torch.randn(batch, h * gqa, t, d, generator=gen).to(DEV, dtype)
         causal = torch.arange(max_len, device=DEV)[None, None, None, :] <= pos[:, None, :, None]
+        if mask_window:  # a sliding-window mask: keys more than mask_window back are hidden too
+            causal &= torch.arange(max_len, device=DEV)[None, None, None, :] > pos[:, None, :, None] - mask_window
         m = causal if mask else None  # a bool mask (as transformers passes) or is_causal
         a = ref.attention_args(0, q, pos, pos.amax(-1) + 1, m, not mask, chunk=(ck, cv, pos))
         assert rel_error(attention_triton(*a, **kernel_options), attention_reference(*a)) < tol
@@ -154,13 +157,14 @@ def test_prefill_in_query_tiles_small(mask):
     assert plan.tile_tokens < 33 and plan.temp_bytes <= budget
 
 
-@pytest.mark.parametrize("mask", [False, True], ids=["causal", "bool_mask"])
-@pytest.mark.parametrize("skip_masked", [True, False], ids=["skip", "no_skip"])
-def test_prefill_dense_chunk_loop_small(mask, skip_masked):
-    # The chunk's own keys in their own loop (a prefill plan): chunks shorter and longer than the sinks + window,
-    # padding, the first chunk overlapping the sink positions (read once, from the sink buffer)
-    _prefill_chunks(h=1, gqa=2, d=64, chunks=[(37, 20), (29, 33)], s=2, w=6, ps=8, mask=mask, seed=7, block_n=16,
-                    dense_chunk=True, skip_masked=skip_masked)
+@pytest.mark.parametrize("mask,window", [(False, None), (True, None), (True, 9)],
+                         ids=["causal", "bool_mask", "sliding_mask"])
+def test_prefill_dense_chunk_launch_small(mask, window):
+    # The chunk's own keys in a launch of their own (a prefill plan): chunks shorter and longer than the sinks +
+    # window, padding, the first chunk overlapping the sink positions (read once, from the sink buffer), and a
+    # mask whose visible keys start past the chunk's first block (the launch bounds its loop from the mask)
+    _prefill_chunks(h=1, gqa=2, d=64, chunks=[(37, 20), (29, 33), (70, 9)], s=2, w=6, ps=8, mask=mask, seed=7,
+                    block_n=16, dense_chunk=True, mask_window=window)
     assert LAST_LAUNCH["dense_chunk"]
 
 

@@ -1,0 +1,115 @@
+"""Which layer, and keys or values, carries a model's INT2 error at a long context (a diagnostic).
+
+One real sequence of ``--context`` tokens runs through the model in observe mode (the backend records the
+post-RoPE queries, keys and values every attention call would store). For each layer whose cache quantizes
+(sliding-window layers keep only their BF16 ring), the last ``--queries`` queries attend as a decode step
+would: sinks and the ``window`` newest keys in full precision, every older key and value an INT2 round trip
+in the artifact's basis. Reported: the relative error of the attention output (all query heads) with keys
+only, values only and both quantized, per window and group size. Cheap next to a perplexity run (one
+forward), so candidate fixes can be compared here first.
+
+    python benchmarks/probe_layer_error.py --model gemma3-270m --context 8192 --artifact ~/.cache/oscar-compile/artifacts/NAME
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def capture(model, ids: torch.Tensor) -> dict:
+    """``{layer: (q, k, v)}`` of one forward (observe mode), float32 on the CPU."""
+    from oscar_compile.backend import OscarBackend
+    from oscar_compile.calibration.statistics import StatsObserver
+    from oscar_compile.calibration.tracer import hf_forward
+
+    obs = StatsObserver(skip_first=0, heldout_tokens=10**12)
+    obs.phase = "heldout"
+    compiled = torch.compile(model, backend=OscarBackend(observer=obs, inductor=False, validate=False))
+    with torch.no_grad():
+        hf_forward(compiled, ids)
+    torch._dynamo.reset()
+    return {layer: (h.q[0], h.k[0], h.v[0]) for layer, h in obs.heldout.items()}
+
+
+def output_errors(q, k, v, tr, scale: float, sinks: int, window: int, queries: int, group_size=None) -> dict:
+    """Relative output error of the last ``queries`` decode-style queries: keys only, values only, both."""
+    from oscar_compile.calibration.clipping import round_trip
+
+    _, hq, t, d = q.shape
+    h = k.shape[1]
+    g = hq // h
+    kt = torch.einsum("bhtd,hde->bhte", k.float() - tr.key_mean[None, :, None], tr.key_transform)[0]  # [H, T, d]
+    vt = torch.einsum("bhtd,hde->bhte", v.float() - tr.value_mean[None, :, None], tr.value_transform)[0]
+    qt = torch.einsum("hgtd,hde->hgte", q[0, :, t - queries:].float().reshape(h, g, queries, d), tr.query_transform)
+    kq, vq = round_trip(kt, tr.key_clip, group_size), round_trip(vt, tr.value_clip, group_size)
+    pos = torch.arange(t - queries, t)[:, None]
+    j = torch.arange(t)[None, :]
+    visible = j <= pos
+    exact = (j < sinks) | (j > pos - window)  # sinks and the ring: BF16
+    out = {}
+    for name, qk, qv in (("keys", True, False), ("values", False, True), ("both", True, True)):
+        s_exact = torch.einsum("hgtd,hjd->hgtj", qt, kt)
+        s = torch.where(exact, s_exact, torch.einsum("hgtd,hjd->hgtj", qt, kq)) if qk else s_exact
+        p_ref = torch.softmax((s_exact * scale).masked_fill(~visible, float("-inf")), -1)
+        p = torch.softmax((s * scale).masked_fill(~visible, float("-inf")), -1)
+        ref = torch.einsum("hgtj,hjd->hgtd", p_ref, vt)
+        if qv:
+            got = torch.einsum("hgtj,hjd->hgtd", p * exact, vt) + torch.einsum("hgtj,hjd->hgtd", p * ~exact, vq)
+        else:
+            got = torch.einsum("hgtj,hjd->hgtd", p, vt)
+        ref_o = torch.einsum("hgtd,hde->hgte", ref, tr.output_transform)
+        got_o = torch.einsum("hgtd,hde->hgte", got, tr.output_transform)
+        rel = ((got_o - ref_o).norm(dim=-1) / (ref_o + tr.value_mean[:, None, None]).norm(dim=-1).clamp_min(1e-9))
+        out[name] = {"mean": float(rel.mean()), "per_kv_head": [round(float(x), 4) for x in rel.mean(dim=(1, 2))]}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--artifact", required=True, help="artifact directory (from `oscar calibrate`)")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--queries", type=int, default=128)
+    ap.add_argument("--sinks", type=int, default=64)
+    ap.add_argument("--windows", default="256,1024")
+    ap.add_argument("--group-sizes", default="0,32", help="0: one group a row")
+    ap.add_argument("--offset", type=int, default=0, help="first token of the sequence in the evaluation text")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from oscar_compile.assets import load_model, load_text
+    from oscar_compile.calibration.artifacts import load_artifacts
+
+    model, tok = load_model(a.model)
+    model.eval()
+    ids = torch.tensor(tok(load_text("wikipedia"))["input_ids"][a.offset:a.offset + a.context])[None]
+    art = load_artifacts(a.artifact)
+    sliding = art.sliding_windows
+    acts = capture(model, ids)
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    rows = []
+    for layer in sorted(acts):
+        if layer in sliding:
+            continue
+        q, k, v = acts[layer]
+        d = q.shape[-1]
+        scale = getattr(cfg, "query_pre_attn_scalar", None)
+        scale = scale**-0.5 if scale else d**-0.5
+        tr = art.layer_transforms(layer, k.shape[1], d)
+        for w in map(int, a.windows.split(",")):
+            for gs in map(int, a.group_sizes.split(",")):
+                e = output_errors(q, k, v, tr, scale, a.sinks, w, a.queries, gs or None)
+                rows.append({"layer": layer, "window": w, "group_size": gs or d, **e})
+                print(f"layer {layer:2d} window {w:5d} group {gs or d:4d}: keys {e['keys']['mean']:.4f} "
+                      f"values {e['values']['mean']:.4f} both {e['both']['mean']:.4f}  per KV head {e['both']['per_kv_head']}",
+                      flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps({"model": a.model, "context": a.context, "artifact": str(a.artifact),
+                                           "method": art.method, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
