@@ -225,7 +225,7 @@ def bench_shape(b, length, device, sweep: bool, ablations: bool = False, profile
     attention_triton(*args)
     kstats = {name: {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
                      "shared": getattr(getattr(k, "metadata", None), "shared", None)}
-              for name, k in triton_attention.LAST_LAUNCH.items() if name not in ("plan", "dense_chunk")}
+              for name, k in triton_attention.LAST_LAUNCH.items() if name not in ("plan", "dense_chunk", "dense_pages")}
     nb_int2, nb_bf16 = int2_bytes(b, length), bf16_bytes(b, length)
     breakdown = profile_both(q, b, length, device, lambda: attention_triton(*args), fastest) if profile else None
     return {

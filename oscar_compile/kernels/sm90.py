@@ -76,8 +76,30 @@ def compile_attention(d=128, g=4, block_m=16, block_n=128, region=0, prefill=Fal
 
     const = dict(H=8, G=g, D=d, NG=ng, PS=16, HAS_RING=True, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=prefill if causal is None else causal,
                  MASK_KIND=mask_kind, HAS_CHUNK=prefill, DT=tl.float16, KC=min(d, 64), ALIGNED=True, ABLATE=ablate,
-                 USE_ASM=unpack == "asm", REGION=region, FRAG=frag and d % 64 == 0)
+                 USE_ASM=unpack == "asm", REGION=region, FRAG=frag and d % 64 == 0, DENSE_CHUNK=prefill,
+                 CDT=tl.bfloat16 if prefill else tl.float16)
     return compile_sm90(_attn_kernel, const, ATTENTION_POINTERS, num_warps, num_stages, maxnreg)
+
+
+def compile_prefill(d=128, g=4, block_m=64, mask_kind=0, causal=True, rows="*bf16", num_warps=4):
+    """The fused prefill launch (gathered prefix + chunk) of :mod:`.triton_attention`."""
+    import triton.language as tl
+
+    from .triton_attention import _prefill_kernel
+
+    const = dict(H=8, G=g, D=d, BLOCK_M=block_m, BLOCK_N=64, IS_CAUSAL=causal, MASK_KIND=mask_kind, HAS_CHUNK=True,
+                 CDT=tl.bfloat16 if rows == "*bf16" else tl.float16)
+    pointers = dict(ATTENTION_POINTERS, kp_ptr=rows, vp_ptr=rows, kch_ptr=rows, vch_ptr=rows,
+                    mask_ptr="*u8" if mask_kind == 1 else "*bf16")
+    return compile_sm90(_prefill_kernel, const, pointers, num_warps)
+
+
+def compile_gather(d=128, ng=1, frag=True):
+    from .triton_attention import _gather_prefix_kernel
+
+    return compile_sm90(_gather_prefix_kernel, dict(H=8, D=d, NG=ng, PS=16, BLOCK_N=32, HAS_CHUNK=True, ALIGNED=True,
+                                                    FRAG=frag and d % 64 == 0),
+                        dict(ATTENTION_POINTERS, ko_ptr="*bf16", vo_ptr="*bf16"), 4)
 
 
 def compile_merge(d=128, g=4, decode=False):
@@ -125,6 +147,9 @@ def launch_variants(d: int) -> dict:
         f"decode bf16 keys d={d}": lambda: compile_attention(d=d, block_m=16, block_n=64, region=1),
         f"prefill pages d={d}": lambda: compile_attention(d=d, block_m=32, block_n=bn_pages, region=0, prefill=True),
         f"prefill bf16 keys d={d}": lambda: compile_attention(d=d, block_m=64, block_n=64, region=1, prefill=True),
+        f"prefill fused d={d}": lambda: compile_prefill(d=d),
+        f"prefill gather d={d}": lambda: compile_gather(d=d),
+        f"prefill chunk launch d={d}": lambda: compile_attention(d=d, block_m=64, block_n=64, region=2, prefill=True),
         f"merge d={d}": lambda: compile_merge(d=d),
         f"merge decode d={d}": lambda: compile_merge(d=d, decode=True),
         f"query d={d}": lambda: compile_query(d=d, block_m=16),
@@ -145,6 +170,9 @@ def extra_variants() -> dict:
         "bf16 keys, additive mask": lambda: compile_attention(d=128, block_m=16, block_n=64, region=1, mask_kind=2),
         "prefill bf16 keys, bool mask": lambda: compile_attention(d=128, block_m=64, block_n=64, region=1, prefill=True,
                                                                   mask_kind=1, causal=False),  # transformers' prefill
+        "prefill fused, bool mask": lambda: compile_prefill(d=128, mask_kind=1, causal=False),
+        "prefill fused, fp16 rows": lambda: compile_prefill(d=128, rows="*fp16"),
+        "prefill gather, 2 groups": lambda: compile_gather(d=128, ng=2),
         "pages, 2 groups": lambda: compile_attention(d=128, block_m=16, region=0, ng=2),
         "pages, 2 warps": lambda: compile_attention(d=128, block_m=16, region=0, num_warps=2),
         "store, 2 groups, no clip": lambda: compile_store(d=128, ng=2, clip=False),

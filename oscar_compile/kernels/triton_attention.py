@@ -318,7 +318,7 @@ def _attn_kernel(
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     m_block = tl.program_id(1)
-    split = tl.program_id(2) + REGION * NSPLIT if REGION < 2 else NS - 1  # REGION 2: the last partial state
+    split = tl.program_id(2) + REGION * NSPLIT if REGION < 2 else NS - 1  # REGION 2 (the chunk): the last state
 
     r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < M_TOTAL
@@ -382,43 +382,13 @@ def _attn_kernel(
             m_i = m_new
             kw, km, vw, vm = kw_n, km_n, vw_n, vm_n
     elif REGION == 2:
-        # ---------------- the chunk's own keys [max(c0, S), c_hi) (prefill): a flash-attention loop over its
-        # contiguous rows in the chunk's 16-bit type (no conversion before the tensor cores, so the loads go
-        # straight to shared memory and pipeline). Sink positions inside the chunk are read by REGION 1.
+        # ---------------- the chunk's own keys [max(c0, S), c_end) (prefill; sink positions inside the chunk are read
+        # by REGION 1): contiguous rows, the flash-attention loop of _flash_rows
         uperm = dcol
         qc = tl.load(qrow + dcol[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32).to(CDT)
-        c_lo = tl.maximum(c0, S)
-        c_hi = tl.minimum(c_end, length)
-        if IS_CAUSAL:
-            c_hi = tl.minimum(c_hi, tl.max(tl.where(row_ok, row_pos, -1), 0) + 1)
-        if MASK_KIND != 0:
-            # The keys a mask leaves visible to this block (its upper triangle, a sliding window's far past) bound
-            # the loop: one pass over the mask tiles (bytes, in L2) instead of branching around each block's dots,
-            # which would stop the loads from pipelining.
-            first = c_hi
-            last = c_lo - 1
-            for j0 in range(c_lo, c_hi, BLOCK_N):
-                j = j0 + nblk
-                vis, _ = _visibility(j, j < c_hi, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
-                                     mask_len, IS_CAUSAL, MASK_KIND)
-                seen = tl.max((vis & (row_pos >= 0)[:, None]).to(tl.int32), 0) > 0
-                first = tl.minimum(first, tl.min(tl.where(seen, j, c_hi), 0))
-                last = tl.maximum(last, tl.max(tl.where(seen, j, c_lo - 1), 0))
-            c_lo = first
-            c_hi = last + 1
-        for j0 in range(c_lo, c_hi, BLOCK_N):
-            j = j0 + nblk
-            key_ok = j < c_hi
-            row_c = b * sch_b + tl.where(key_ok, j - c0, 0) * sch_t + h * sch_h
-            k = tl.load(kch_ptr + row_c[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(CDT)
-            v = tl.load(vch_ptr + row_c[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(CDT)
-            vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
-                                    mask_len, IS_CAUSAL, MASK_KIND)
-            vis = vis & (row_pos >= 0)[:, None]
-            s = tl.where(vis, tl.dot(qc, tl.trans(k)) + bias, float("-inf"))
-            p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
-            acc = tl.dot(p.to(CDT), v, acc * alpha[:, None])
-            m_i = m_new
+        m_i, l_i, acc = _flash_rows(qc, m_i, l_i, acc, kch_ptr, vch_ptr, b * sch_b + h * sch_h, sch_t, c0,
+                                    tl.maximum(c0, S), tl.minimum(c_end, length), row_t, row_pos, row_hq, b, mask_ptr,
+                                    smk_b, smk_h, smk_t, smk_j, mask_len, BLOCK_N, D, IS_CAUSAL, MASK_KIND, CDT)
     else:
         # ---------------- BF16 keys: sinks [0, min(S, L)), then [page_end, L) from the ring or the chunk
         uperm = dcol
@@ -472,6 +442,149 @@ def _attn_kernel(
     tl.store(part_m_ptr + base, m_i, mask=row_ok)
     tl.store(part_l_ptr + base, l_i, mask=row_ok)
     tl.store(part_o_ptr + base[:, None] * D + uperm[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _flash_rows(qc, m_i, l_i, acc, k_ptr, v_ptr, base, s_t, origin, c_lo, c_hi, row_t, row_pos, row_hq, b, mask_ptr,
+                smk_b, smk_h, smk_t, smk_j, mask_len, BLOCK_N: tl.constexpr, D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                MASK_KIND: tl.constexpr, CDT: tl.constexpr):
+    """Flash attention of query rows ``qc`` over contiguous 16-bit key rows ``j`` in ``[c_lo, c_hi)`` at
+    ``k_ptr + base + (j - origin) s_t`` (and ``v_ptr``): the rows' own type on the tensor cores, no conversion and
+    no branch in the loop, so the loads go straight to shared memory and pipeline."""
+    nblk = tl.arange(0, BLOCK_N)
+    dcol = tl.arange(0, D)
+    c_lo = c_lo.to(tl.int64)
+    c_hi = c_hi.to(tl.int64)
+    if IS_CAUSAL:
+        c_hi = tl.minimum(c_hi, tl.max(row_pos, 0) + 1)
+    if MASK_KIND != 0:
+        # The keys a mask leaves visible to these rows (an upper triangle, a sliding window's far past) bound the
+        # loop: one pass over the mask tiles (bytes, in L2) instead of a branch around each block's dots.
+        first = c_hi
+        last = c_lo - 1
+        for j0 in range(c_lo, c_hi, BLOCK_N):
+            j = j0 + nblk
+            vis, _ = _visibility(j, j < c_hi, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
+                                 mask_len, IS_CAUSAL, MASK_KIND)
+            seen = tl.max((vis & (row_pos >= 0)[:, None]).to(tl.int32), 0) > 0
+            first = tl.minimum(first, tl.min(tl.where(seen, j, c_hi), 0))
+            last = tl.maximum(last, tl.max(tl.where(seen, j, c_lo - 1), 0))
+        c_lo = first
+        c_hi = last + 1
+    for j0 in range(c_lo, c_hi, BLOCK_N):
+        j = j0 + nblk
+        key_ok = j < c_hi
+        row = base + tl.where(key_ok, j - origin, 0) * s_t
+        k = tl.load(k_ptr + row[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(CDT)
+        v = tl.load(v_ptr + row[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(CDT)
+        vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
+                                mask_len, IS_CAUSAL, MASK_KIND)
+        vis = vis & (row_pos >= 0)[:, None]
+        s = tl.where(vis, tl.dot(qc, tl.trans(k)) + bias, float("-inf"))
+        p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
+        acc = tl.dot(p.to(CDT), v, acc * alpha[:, None])
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["sp_b", "smk_b", "smk_h", "smk_t", "M_TOTAL", "mask_len"])
+def _prefill_kernel(qq_ptr, pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, cend_ptr, kch_ptr, vch_ptr, sch_b, sch_t, sch_h,
+                    kp_ptr, vp_ptr, sp2_b, sp2_t, sp2_h, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
+                    part_m_ptr, part_l_ptr, part_o_ptr, M_TOTAL, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                    HAS_CHUNK: tl.constexpr, CDT: tl.constexpr):
+    """A prefill's row block in one launch: the keys before the chunk ``[0, min(c0, L))`` as 16-bit rows gathered by
+    :func:`_gather_prefix_kernel` (sinks, dequantized pages, ring), then the chunk's own keys ``[c0, c_end)``; one
+    partial state a row (the merge kernel un-rotates it)."""
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < M_TOTAL
+    row_t = tl.where(row_ok, r // G, 0).to(tl.int64)
+    row_hq = h * G + r % G
+    row_pos = tl.load(pos_ptr + b * sp_b + row_t, mask=row_ok, other=-1).to(tl.int64)
+    length = tl.load(len_ptr + b * sl_b).to(tl.int64)
+    if HAS_CHUNK:
+        c0 = tl.load(c0_ptr + b).to(tl.int64)
+        c_end = tl.load(cend_ptr + b).to(tl.int64)
+    else:
+        c0 = length
+        c_end = length
+    dcol = tl.arange(0, D)
+    qc = tl.load(qq_ptr + (pid_bh * M_TOTAL + r)[:, None] * D + dcol[None, :], mask=row_ok[:, None],
+                 other=0.0).to(tl.float32).to(CDT)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    m_i, l_i, acc = _flash_rows(qc, m_i, l_i, acc, kp_ptr, vp_ptr, b * sp2_b + h * sp2_h, sp2_t, 0, c0 * 0,
+                                tl.minimum(c0, length), row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t,
+                                smk_j, mask_len, BLOCK_N, D, IS_CAUSAL, MASK_KIND, CDT)
+    if HAS_CHUNK:
+        m_i, l_i, acc = _flash_rows(qc, m_i, l_i, acc, kch_ptr, vch_ptr, b * sch_b + h * sch_h, sch_t, c0, c0,
+                                    tl.minimum(c_end, length), row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h,
+                                    smk_t, smk_j, mask_len, BLOCK_N, D, IS_CAUSAL, MASK_KIND, CDT)
+    base = pid_bh * M_TOTAL + r  # one partial state a row
+    tl.store(part_m_ptr + base, m_i, mask=row_ok)
+    tl.store(part_l_ptr + base, l_i, mask=row_ok)
+    tl.store(part_o_ptr + base[:, None] * D + dcol[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["sbt_b", "S", "W", "P"])
+def _gather_prefix_kernel(len_ptr, sl_b, c0_ptr, kc_ptr, km_ptr, vc_ptr, vm_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr,
+                          bt_ptr, sbt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
+                          ko_ptr, vo_ptr, so_b, so_t, so_h, S, W, P, H: tl.constexpr, D: tl.constexpr,
+                          NG: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CHUNK: tl.constexpr,
+                          ALIGNED: tl.constexpr, FRAG: tl.constexpr):
+    """The keys and values of row ``b``, KV head ``h`` before its chunk, ``[0, min(c0, L))``, as 16-bit rows
+    ``[B, P, H, D]`` in channel order: sinks and ring rows copied, page rows dequantized (``min + code * scale`` in
+    fp32, as the page kernels compute them) and rounded once to the scratch's type."""
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    length = tl.load(len_ptr + b * sl_b).to(tl.int64)
+    c0 = tl.load(c0_ptr + b).to(tl.int64) if HAS_CHUNK else length
+    prefix_end = tl.minimum(tl.minimum(c0, length), P)
+    page_end = tl.maximum(tl.minimum(length - W, c0), S)
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if tl.program_id(1) * BLOCK_N < prefix_end:
+        dcol = tl.arange(0, D)
+        row = b * so_b + tl.where(j < prefix_end, j, 0) * so_t + h * so_h
+        in_page = (j >= S) & (j < tl.minimum(page_end, prefix_end))
+        if tl.max(in_page.to(tl.int32), 0) > 0:
+            jp = tl.where(in_page, j, S)  # keys outside the page region read (and then drop) the first page slot
+            page = _page_of(bt_ptr, b, sbt_b, jp, page_end, S, PS)
+            kw, km, vw, vm = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page, jp, page_end,
+                                              S, h, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N, D, NG, ALIGNED,
+                                              FRAG)
+            chan = _channel_of(dcol, D, FRAG)
+            _dequant_store(kw, km, ko_ptr + row[:, None] + chan[None, :], in_page[:, None], BLOCK_N, D, NG)
+            _dequant_store(vw, vm, vo_ptr + row[:, None] + chan[None, :], in_page[:, None], BLOCK_N, D, NG)
+        in_sink = j < tl.minimum(S, prefix_end)
+        in_ring = (j >= S) & (j >= page_end) & (j < prefix_end)
+        plain = in_sink | in_ring
+        if tl.max(plain.to(tl.int32), 0) > 0:
+            src_s = b * ss_b + tl.where(in_sink, j, 0) * ss_t + h * ss_h
+            src_r = b * sr_b + tl.where(in_ring, j % tl.maximum(W, 1), 0) * sr_t + h * sr_h
+            ks = tl.load(ks_ptr + src_s[:, None] + dcol[None, :], mask=in_sink[:, None], other=0.0)
+            kr = tl.load(kr_ptr + src_r[:, None] + dcol[None, :], mask=in_ring[:, None], other=0.0)
+            vs = tl.load(vs_ptr + src_s[:, None] + dcol[None, :], mask=in_sink[:, None], other=0.0)
+            vr = tl.load(vr_ptr + src_r[:, None] + dcol[None, :], mask=in_ring[:, None], other=0.0)
+            kx = tl.where(in_sink[:, None], ks.to(tl.float32), kr.to(tl.float32))
+            vx = tl.where(in_sink[:, None], vs.to(tl.float32), vr.to(tl.float32))
+            tl.store(ko_ptr + row[:, None] + dcol[None, :], kx.to(ko_ptr.dtype.element_ty), mask=plain[:, None])
+            tl.store(vo_ptr + row[:, None] + dcol[None, :], vx.to(vo_ptr.dtype.element_ty), mask=plain[:, None])
+
+
+@triton.jit
+def _dequant_store(words, meta, ptrs, ok, BLOCK_N: tl.constexpr, D: tl.constexpr, NG: tl.constexpr):
+    codes = _unpack_words(words, BLOCK_N, D, tl.float32, False)  # exact 0..3 in fp32
+    sc, mn = _meta(meta)
+    if NG == 1:
+        x = codes * sc[:, None] + mn[:, None]
+    else:
+        x = codes * sc + mn
+    tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["sp_b", "M_TOTAL", "ROWS", "NS"])
@@ -721,7 +834,7 @@ def _log_choice(kernel: str, reasons: tuple) -> None:
 
 
 def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms: int, block_n: int,
-               splits: int | None, page_kernel: str = "triton") -> AttentionPlan:
+               splits: int | None, page_kernel: str = "triton", fused: bool = False) -> AttentionPlan:
     m_total = g * tq
     block_m = 16 if m_total <= 16 else (32 if m_total <= 32 else 64)
     m_blocks = triton.cdiv(m_total, block_m)
@@ -762,6 +875,8 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
         bf16_per_split = triton.cdiv(min(per_page_split, fill), BF16_BLOCK_N) * BF16_BLOCK_N
     nb = triton.cdiv(bf16_keys, bf16_per_split)
     rows = b * h * m_total
+    if fused:  # the fused prefill (_prefill_kernel): one launch, one partial state a row
+        nsplit, nb, nc, page_kernel, gluon = 0, 0, 1, "none", None
     temp = rows * d * 2 + rows * (nsplit + nb + nc) * (d + 2) * 4  # qq (fp16) + partial o, m, l (fp32)
     return AttentionPlan(tq, m_total, block_m, m_blocks, page_m, page_m_blocks, block_n, nsplit, keys_per_split,
                          bf16_per_split, nb, temp, page_kernel, gluon, nc)
@@ -769,7 +884,7 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
 
 def plan_attention(b: int, hq: int, t: int, geo, device, block_n: int | None = None, splits: int | None = None,
                    budget: int = TEMP_BYTES_BUDGET, chunk_len: int | None = None,
-                   page_kernel: str = "triton") -> AttentionPlan:
+                   page_kernel: str = "triton", fused: bool = False) -> AttentionPlan:
     """The launch plan of an attention call with ``b`` rows of ``t`` query tokens of ``hq`` heads.
 
     Temporaries stay within ``budget`` bytes whatever ``b x t``: a prompt whose partial states would not
@@ -781,14 +896,14 @@ def plan_attention(b: int, hq: int, t: int, geo, device, block_n: int | None = N
     sms = _sm_count(device) if isinstance(device, torch.device) else int(device)
     chunk_len = t if chunk_len is None else chunk_len
     tq = max(t, 1)
-    plan = _plan_tile(b, h, g, tq, chunk_len, d, geo, sms, block_n, splits, page_kernel)
+    plan = _plan_tile(b, h, g, tq, chunk_len, d, geo, sms, block_n, splits, page_kernel, fused)
     for _ in range(8):  # shrinking a tile can add splits (fewer rows): re-plan until it fits
         if plan.temp_bytes <= budget or tq == 1:
             break
         tq = max(1, min(tq - 1, tq * budget // plan.temp_bytes))
         if tq > 16:
             tq -= tq % 16  # whole 64-row blocks at GQA 4
-        plan = _plan_tile(b, h, g, tq, chunk_len, d, geo, sms, block_n, splits, page_kernel)
+        plan = _plan_tile(b, h, g, tq, chunk_len, d, geo, sms, block_n, splits, page_kernel, fused)
     if plan.temp_bytes > budget and tq > 1:  # pragma: no cover - the loop converges in 2-3 steps
         raise RuntimeError(f"oscar: no query tile of {b} x {hq} heads fits {budget} bytes of temporaries")
     return plan
@@ -796,14 +911,14 @@ def plan_attention(b: int, hq: int, t: int, geo, device, block_n: int | None = N
 
 def plan_tiles(b: int, hq: int, t: int, geo, device, block_n: int | None = None, splits: int | None = None,
                budget: int = TEMP_BYTES_BUDGET, chunk_len: int | None = None,
-               page_kernel: str = "triton") -> list[tuple[int, AttentionPlan]]:
+               page_kernel: str = "triton", fused: bool = False) -> list[tuple[int, AttentionPlan]]:
     """``(first query token, plan)`` of every query tile of a call: whole tiles of the first plan, then the
     rest planned for its own size (it may split its keys differently)."""
-    plan = plan_attention(b, hq, t, geo, device, block_n, splits, budget, chunk_len, page_kernel)
+    plan = plan_attention(b, hq, t, geo, device, block_n, splits, budget, chunk_len, page_kernel, fused)
     tiles, t0 = [], 0
     while t0 < t:
         tile = plan if t - t0 >= plan.tile_tokens else plan_attention(b, hq, t - t0, geo, device, block_n, splits,
-                                                                     budget, chunk_len, page_kernel)
+                                                                     budget, chunk_len, page_kernel, fused)
         tiles.append((t0, tile))
         t0 += tile.tile_tokens
     return tiles
@@ -817,7 +932,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      maxnreg: int | None = None, page_warps: int | None = None, bf16_warps: int | None = None,
                      temp_budget: int = TEMP_BYTES_BUDGET, page_kernel: str | None = None,
                      dense_chunk: bool | None = None, bf16_block_m: int | None = None, page_block_m: int | None = None,
-                     chunk_block_m: int | None = None, chunk_warps: int | None = None):
+                     chunk_block_m: int | None = None, chunk_warps: int | None = None, gather_prefix: bool | None = None):
     """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
 
     ``page_kernel``: ``"gluon"``, ``"triton"`` or None (:data:`PAGE_KERNEL`, by default the Gluon decode
@@ -876,6 +991,18 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     dt = tl.bfloat16 if dot_dtype == torch.bfloat16 else tl.float16
     f32 = lambda x: x.float().contiguous()  # noqa: E731
     bq, bo, muv = f32(query_transform), f32(output_transform), f32(value_mean)
+    aligned = _aligned16(k_codes, v_codes, k_sink, v_sink, k_ring, v_ring, kch, vch)
+    frag = fragment_order.in_fragment_order(k_codes)
+    prefix = None
+    if gather_prefix is not False and not ablate and (gather_prefix or tiles[0][1].nc):
+        # rows in the chunk's 16-bit type, so both loops of the fused launch feed the tensor cores without conversion
+        rows_dtype = kch.dtype if kch.dtype in (torch.bfloat16, torch.float16) else dot_dtype
+        prefix = _gathered_prefix(geo, lens, c0, has_chunk, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring,
+                                  block_table, h, d, rows_dtype, aligned, frag)
+    LAST_LAUNCH["gather_prefix"] = prefix is not None
+    if prefix is not None:  # the fused prefill: one launch a query tile, one partial state a row
+        tiles = plan_tiles(b, hq, t, geo, dev, block_n, splits, temp_budget, chunk_len=chunk_len, fused=True)
+        LAST_LAUNCH["plan"] = tiles[0][1]
     # One set of temporaries for every tile, as large as the largest tile needs (a shorter last tile may
     # split its keys more; each plan is within the budget, so their maximum is too).
     rows = max(b * h * p.m_total for _, p in tiles)
@@ -884,16 +1011,75 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     part_m = torch.empty(states, dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
     part_o = torch.empty(states * d, dtype=torch.float32, device=dev)
-    aligned = _aligned16(k_codes, v_codes, k_sink, v_sink, k_ring, v_ring, kch, vch)
     for t0, tile in tiles:
         t1 = t0 + tile.tile_tokens
+        tmask = None if mask is None else mask[:, :, t0:t1]
+        if prefix is not None:
+            _launch_prefill_tile(tile, q[:, :, t0:t1], pos[:, t0:t1], lens, c0, c_end, kch, vch, prefix, tmask,
+                                 mask_kind, mask_len, bq, bo, muv, is_causal, scale, qq, part_m, part_l, part_o,
+                                 out[:, :, t0:t1], h, g, d, dt, has_chunk, chunk_block_m, chunk_warps or num_warps)
+            continue
         _launch_tile(tile, q[:, :, t0:t1], pos[:, t0:t1], lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta,
-                     k_sink, v_sink, k_ring, v_ring, block_table,
-                     None if mask is None else mask[:, :, t0:t1], mask_kind, mask_len, bq, bo, muv, is_causal, scale,
-                     qq, part_m, part_l, part_o, out[:, :, t0:t1], geo, h, g, d, dt, use_asm, aligned, ablate,
-                     num_warps, num_stages, maxnreg, page_warps, bf16_warps, has_chunk,
-                     fragment_order.in_fragment_order(k_codes), chunk_block_m, chunk_warps)
+                     k_sink, v_sink, k_ring, v_ring, block_table, tmask, mask_kind, mask_len, bq, bo, muv, is_causal,
+                     scale, qq, part_m, part_l, part_o, out[:, :, t0:t1], geo, h, g, d, dt, use_asm, aligned, ablate,
+                     num_warps, num_stages, maxnreg, page_warps, bf16_warps, has_chunk, frag, chunk_block_m,
+                     chunk_warps)
     return out
+
+
+# Bytes of 16-bit key and value rows a prefill call may gather at once (every row's keys before its chunk): 64 x 8K
+# (the second 4K chunk) takes 1.1 GB, 1 x 128K 0.5 GB. Past it the split launches read the INT2 pages themselves.
+GATHER_BYTES_BUDGET = 2 * 2**30
+
+
+def _gathered_prefix(geo, lens, c0, has_chunk, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
+                     h, d, dot_dtype, aligned, frag):
+    """Every row's keys and values before its chunk as 16-bit rows (``(k, v)`` of ``[B, P, H, d]``: sinks and ring
+    copied, pages dequantized), for the fused prefill; None where the split launches must read the cache instead:
+    a ring-only (sliding-window) cache, CUDA-graph capture (the size is read back: one sync a call, against
+    milliseconds of prefill attention), or past :data:`GATHER_BYTES_BUDGET`."""
+    if geo.drops_evicted or (kw.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return None
+    b = lens.shape[0]
+    p = int(torch.minimum(c0, lens).max()) if has_chunk else int(lens.max())
+    if p <= 0 or 2 * b * p * h * d * 2 > GATHER_BYTES_BUDGET:
+        return None
+    k = torch.empty(b, p, h, d, dtype=dot_dtype, device=kw.device)
+    v = torch.empty_like(k)
+    block = 32
+    _gather_prefix_kernel[(b * h, triton.cdiv(p, block))](
+        lens, lens.stride(0), c0, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
+        block_table.stride(0), kw.stride(0), kw.stride(1), kw.stride(2), k_meta.stride(0), k_meta.stride(1),
+        k_meta.stride(2), k_sink.stride(0), k_sink.stride(1), k_sink.stride(2), k_ring.stride(0), k_ring.stride(1),
+        k_ring.stride(2), k, v, k.stride(0), k.stride(1), k.stride(2), geo.num_sinks, geo.window, p, H=h, D=d,
+        NG=geo.num_groups, PS=geo.page_size, BLOCK_N=block, HAS_CHUNK=has_chunk, ALIGNED=aligned, FRAG=frag,
+        num_warps=4)
+    return k, v
+
+
+def _launch_prefill_tile(plan, q, pos, lens, c0, c_end, kch, vch, prefix, mask, mask_kind, mask_len, bq, bo, muv,
+                         is_causal, scale, qq, part_m, part_l, part_o, out, h, g, d, dt, has_chunk, block_m=None,
+                         warps=None):
+    """The fused prefill of one query tile: rotate queries, one flash-attention launch over the gathered prefix and
+    the chunk (one partial state a row), merge (un-rotate)."""
+    b = q.shape[0]
+    m_total = plan.m_total
+    rows = b * m_total
+    _query_kernel[(triton.cdiv(rows, plan.block_m), h)](q, q.stride(0), q.stride(1), q.stride(2), bq, qq, m_total, rows,
+                                                        scale * LOG2E, H=h, G=g, D=d, BLOCK_M=plan.block_m,
+                                                        KC=min(d, 64))
+    pk, pv = prefix
+    smk = mask.stride() if mask is not None else (0, 0, 0, 0)
+    cdt = dt if _INTERPRET else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(pk.dtype, dt)
+    bm = block_m or plan.block_m
+    LAST_LAUNCH["attention"] = _prefill_kernel[(b * h, triton.cdiv(m_total, bm))](
+        qq, pos, pos.stride(0), lens, lens.stride(0), c0, c_end, kch, vch, kch.stride(0), kch.stride(1), kch.stride(2),
+        pk, pv, pk.stride(0), pk.stride(1), pk.stride(2), q if mask is None else mask, smk[0], smk[1], smk[2], smk[3],
+        mask_len, part_m, part_l, part_o, m_total, H=h, G=g, D=d, BLOCK_M=bm, BLOCK_N=BF16_BLOCK_N,
+        IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_CHUNK=has_chunk, CDT=cdt, num_warps=warps or 4)
+    for name in ("attention_bf16", "attention_chunk"):
+        LAST_LAUNCH.pop(name, None)
+    _merge(part_m, part_l, part_o, bo, muv, out, pos, rows, m_total, 1, h, g, d)
 
 
 def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring,
@@ -904,6 +1090,8 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     keys (prefill), merge."""
     b = q.shape[0]
     dense_chunk = bool(plan.nc) and has_chunk
+    # the chunk loop's operand dtype: the chunk's own 16-bit type (no conversion before the tensor cores); the
+    # interpreter's bf16 arithmetic is wrong (DESIGN.md section 5), so it converts to fp16 there
     m_total, ns = plan.m_total, plan.ns
     smk = mask.stride() if mask is not None else (0, 0, 0, 0)
     rows = b * m_total  # a KV head's query rows, over all batch rows
@@ -926,6 +1114,7 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     page_opts = {"maxnreg": maxnreg} if maxnreg else {}  # a register cap trades spills for CTAs per SM
     # warps: page_warps for the page region alone, else num_warps for both regions, else the heuristic
     page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, plan.page_m_blocks, plan.page_m, q.device)
+    cdt = dt if _INTERPRET else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(kch.dtype, dt)
     if plan.nsplit == 0:  # no pages
         LAST_LAUNCH.pop("attention", None)
     elif plan.page_kernel == "gluon":
@@ -938,9 +1127,6 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     else:
         LAST_LAUNCH["attention"] = _attn_kernel[(b * h, plan.page_m_blocks, plan.nsplit)](
             *args, REGION=0, BLOCK_M=plan.page_m, BLOCK_N=plan.block_n, **meta, **page_opts)
-    # the chunk loop's operand dtype: the chunk's own 16-bit type (no conversion before the tensor cores); the
-    # interpreter's bf16 arithmetic is wrong (DESIGN.md section 5), so it converts to fp16 there
-    cdt = dt if _INTERPRET else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(kch.dtype, dt)
     if dense_chunk and plan.nb != 1:  # pragma: no cover - the plan gives a prefill one BF16 split
         raise ValueError("oscar: the chunk's own launch needs the BF16 keys in one split (a prefill plan)")
     LAST_LAUNCH["dense_chunk"] = dense_chunk
@@ -954,6 +1140,10 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
             DENSE_CHUNK=True, CDT=cdt, **meta)
     else:
         LAST_LAUNCH.pop("attention_chunk", None)
+    _merge(part_m, part_l, part_o, bo, muv, out, pos, rows, m_total, ns, h, g, d)
+
+
+def _merge(part_m, part_l, part_o, bo, muv, out, pos, rows, m_total, ns, h, g, d):
     merge_m = 16
     # A decode step (one row block) merges many splits (~66 at batch 1) in few programs: read twice as
     # many splits a step with twice the warps (same registers a thread). H200, 1 x 128K: the merge took

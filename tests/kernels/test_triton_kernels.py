@@ -121,13 +121,13 @@ def test_many_key_blocks_and_splits_small():
 
 
 def _prefill_chunks(h, gqa, d, chunks, s, w, ps, mask, seed, dtype=torch.float32, tol=ATTN_TOL, mask_window=None,
-                    **kernel_options):
+                    group=None, **kernel_options):
     """A prompt stored and attended in ``chunks`` (each [batch] lengths), every chunk checked against the
     reference: later chunks read the earlier ones from the cache (pages, ring) and themselves exactly."""
     gen = torch.Generator().manual_seed(seed)
     batch = len(chunks[0])
     max_len = sum(max(c) for c in chunks) + 1
-    ref, got = twin_caches(h, d, batch, max_len, s, w, ps, None, dtype, "invertible", 0.95, seed, device=DEV)
+    ref, got = twin_caches(h, d, batch, max_len, s, w, ps, group, dtype, "invertible", 0.95, seed, device=DEV)
     start = [0] * batch
     for chunk in chunks:
         t = max(chunk)
@@ -164,8 +164,20 @@ def test_prefill_dense_chunk_launch_small(mask, window):
     # window, padding, the first chunk overlapping the sink positions (read once, from the sink buffer), and a
     # mask whose visible keys start past the chunk's first block (the launch bounds its loop from the mask)
     _prefill_chunks(h=1, gqa=2, d=64, chunks=[(37, 20), (29, 33), (70, 9)], s=2, w=6, ps=8, mask=mask, seed=7,
-                    block_n=16, dense_chunk=True, mask_window=window)
+                    block_n=16, dense_chunk=True, mask_window=window, gather_prefix=False)
     assert LAST_LAUNCH["dense_chunk"]
+
+
+@pytest.mark.parametrize("group,mask,window", [(None, False, None), (None, True, None), (None, True, 9),
+                                                (16, False, None)],
+                         ids=["causal", "bool_mask", "sliding_mask", "groups_of_16"])
+def test_prefill_fused_over_gathered_prefix_small(group, mask, window):
+    # The fused prefill: every row's keys before its chunk gathered once a call as 16-bit rows (sinks, dequantized
+    # pages of 4 tokens, ring), then one flash-attention launch over them and the chunk; rows of different lengths
+    # (padding), several quantization groups a row, a first chunk shorter than the sinks + window
+    _prefill_chunks(h=2, gqa=2, d=64, chunks=[(30, 41), (50, 20), (9, 30)], s=3, w=5, ps=4, mask=mask, seed=8,
+                    block_n=16, group=group, mask_window=window, gather_prefix=True)
+    assert LAST_LAUNCH["gather_prefix"] and LAST_LAUNCH["plan"].ns == 1
 
 
 @pytest.mark.gpu
@@ -176,10 +188,13 @@ def test_prefill_dense_chunk_bf16_gpu(mask):
     # bf16 (8 mantissa bits for q', k and P, ~2e-3 relative rounding each, against 11 bits in fp16): 1e-2.
     _prefill_chunks(h=8, gqa=4, d=128, chunks=[(300, 1000), (700, 517), (1, 3)], s=64, w=256, ps=16, mask=mask,
                     seed=11, dtype=torch.bfloat16, tol=1e-2)
-    assert LAST_LAUNCH["dense_chunk"] is False  # the last chunk (3 tokens) splits its keys: the gathered loop
+    assert not LAST_LAUNCH["gather_prefix"]  # the last chunk (3 tokens) splits its keys: the split launches
     _prefill_chunks(h=8, gqa=4, d=128, chunks=[(300, 1000), (700, 517)], s=64, w=256, ps=16, mask=mask,
                     seed=12, dtype=torch.bfloat16, tol=1e-2)
-    assert LAST_LAUNCH["dense_chunk"]
+    assert LAST_LAUNCH["gather_prefix"]  # the fused prefill (the plan's choice at this size)
+    _prefill_chunks(h=8, gqa=4, d=128, chunks=[(300, 1000), (700, 517)], s=64, w=256, ps=16, mask=mask,
+                    seed=12, dtype=torch.bfloat16, tol=1e-2, gather_prefix=False)
+    assert LAST_LAUNCH["dense_chunk"] and not LAST_LAUNCH["gather_prefix"]  # the split launches, chunk on its own
 
 
 LLAMA3_8B_LAYER = dict(num_kv_heads=8, head_dim=128, num_groups=1, num_sinks=64, window=256, page_size=16)
