@@ -88,9 +88,9 @@ def compile_prefill(d=128, g=4, block_m=64, mask_kind=0, causal=True, rows="*bf1
     from .triton_attention import _prefill_kernel
 
     const = dict(H=8, G=g, D=d, BLOCK_M=block_m, BLOCK_N=64, IS_CAUSAL=causal, MASK_KIND=mask_kind, HAS_CHUNK=True,
-                 CDT=tl.bfloat16 if rows == "*bf16" else tl.float16)
+                 CDT=tl.bfloat16 if rows == "*bf16" else tl.float16, MASK_I32=mask_kind == 1)
     pointers = dict(ATTENTION_POINTERS, kp_ptr=rows, vp_ptr=rows, kch_ptr=rows, vch_ptr=rows,
-                    mask_ptr="*u8" if mask_kind == 1 else "*bf16")
+                    mask_ptr={1: "*u8", 3: "*i32"}.get(mask_kind, "*bf16"))
     return compile_sm90(_prefill_kernel, const, pointers, num_warps)
 
 
@@ -172,6 +172,7 @@ def extra_variants() -> dict:
                                                                   mask_kind=1, causal=False),  # transformers' prefill
         "prefill fused, bool mask": lambda: compile_prefill(d=128, mask_kind=1, causal=False),
         "prefill fused, fp16 rows": lambda: compile_prefill(d=128, rows="*fp16"),
+        "prefill fused, interval mask": lambda: compile_prefill(d=128, mask_kind=3, causal=False),
         "prefill gather, 2 groups": lambda: compile_gather(d=128, ng=2),
         "pages, 2 groups": lambda: compile_attention(d=128, block_m=16, region=0, ng=2),
         "pages, 2 warps": lambda: compile_attention(d=128, block_m=16, region=0, num_warps=2),

@@ -447,24 +447,37 @@ def _attn_kernel(
 @triton.jit
 def _flash_rows(qc, m_i, l_i, acc, k_ptr, v_ptr, base, s_t, origin, c_lo, c_hi, row_t, row_pos, row_hq, b, mask_ptr,
                 smk_b, smk_h, smk_t, smk_j, mask_len, BLOCK_N: tl.constexpr, D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                MASK_KIND: tl.constexpr, CDT: tl.constexpr):
+                MASK_KIND: tl.constexpr, CDT: tl.constexpr, MASK_I32: tl.constexpr = False):
     """Flash attention of query rows ``qc`` over contiguous 16-bit key rows ``j`` in ``[c_lo, c_hi)`` at
     ``k_ptr + base + (j - origin) s_t`` (and ``v_ptr``): the rows' own type on the tensor cores, no conversion and
-    no branch in the loop, so the loads go straight to shared memory and pipeline."""
+    no branch in the loop, so the loads go straight to shared memory and pipeline. ``MASK_I32``: the mask's offsets
+    within a batch row fit int32 (half the registers of its [M, N] offset tile)."""
     nblk = tl.arange(0, BLOCK_N)
     dcol = tl.arange(0, D)
     c_lo = c_lo.to(tl.int64)
     c_hi = c_hi.to(tl.int64)
+    mrow_t = row_t.to(tl.int32) if MASK_I32 else row_t  # the mask's operands: int32 offsets from the row's base
+    mask_ptr = mask_ptr + b * smk_b
+    mb = 0
     if IS_CAUSAL:
         c_hi = tl.minimum(c_hi, tl.max(row_pos, 0) + 1)
-    if MASK_KIND != 0:
+    if MASK_KIND == 3:
+        # a bool mask whose every row is one interval of visible keys (causal, sliding window, padding), given as
+        # (first, last) a row by _mask_intervals: two compares a key, and the loop runs over the block's union only
+        bounds = mask_ptr + row_hq * smk_h + row_t * smk_t
+        lo = tl.where(row_pos >= 0, tl.load(bounds), 2**31 - 1).to(tl.int64)
+        hi = tl.where(row_pos >= 0, tl.load(bounds + smk_j), -1).to(tl.int64)
+        c_lo = tl.maximum(c_lo, tl.min(lo, 0))
+        c_hi = tl.minimum(c_hi, tl.max(hi, 0) + 1)
+    elif MASK_KIND != 0:
         # The keys a mask leaves visible to these rows (an upper triangle, a sliding window's far past) bound the
         # loop: one pass over the mask tiles (bytes, in L2) instead of a branch around each block's dots.
         first = c_hi
         last = c_lo - 1
         for j0 in range(c_lo, c_hi, BLOCK_N):
             j = j0 + nblk
-            vis, _ = _visibility(j, j < c_hi, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
+            vis, _ = _visibility(j.to(tl.int32) if MASK_I32 else j, j < c_hi, mrow_t, row_pos, row_hq, mb, mask_ptr,
+                                 smk_b, smk_h, smk_t, smk_j,
                                  mask_len, IS_CAUSAL, MASK_KIND)
             seen = tl.max((vis & (row_pos >= 0)[:, None]).to(tl.int32), 0) > 0
             first = tl.minimum(first, tl.min(tl.where(seen, j, c_hi), 0))
@@ -477,8 +490,14 @@ def _flash_rows(qc, m_i, l_i, acc, k_ptr, v_ptr, base, s_t, origin, c_lo, c_hi, 
         row = base + tl.where(key_ok, j - origin, 0) * s_t
         k = tl.load(k_ptr + row[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(CDT)
         v = tl.load(v_ptr + row[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(CDT)
-        vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
-                                mask_len, IS_CAUSAL, MASK_KIND)
+        if MASK_KIND == 3:
+            vis = key_ok[None, :] & (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
+            if IS_CAUSAL:
+                vis = vis & (j[None, :] <= row_pos[:, None])
+            bias = 0.0
+        else:
+            vis, bias = _visibility(j.to(tl.int32) if MASK_I32 else j, key_ok, mrow_t, row_pos, row_hq, mb, mask_ptr,
+                                    smk_b, smk_h, smk_t, smk_j, mask_len, IS_CAUSAL, MASK_KIND)
         vis = vis & (row_pos >= 0)[:, None]
         s = tl.where(vis, tl.dot(qc, tl.trans(k)) + bias, float("-inf"))
         p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
@@ -492,7 +511,7 @@ def _prefill_kernel(qq_ptr, pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, cend_ptr, kch_
                     kp_ptr, vp_ptr, sp2_b, sp2_t, sp2_h, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
                     part_m_ptr, part_l_ptr, part_o_ptr, M_TOTAL, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-                    HAS_CHUNK: tl.constexpr, CDT: tl.constexpr):
+                    HAS_CHUNK: tl.constexpr, CDT: tl.constexpr, MASK_I32: tl.constexpr = False):
     """A prefill's row block in one launch: the keys before the chunk ``[0, min(c0, L))`` as 16-bit rows gathered by
     :func:`_gather_prefix_kernel` (sinks, dequantized pages, ring), then the chunk's own keys ``[c0, c_end)``; one
     partial state a row (the merge kernel un-rotates it)."""
@@ -519,15 +538,48 @@ def _prefill_kernel(qq_ptr, pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, cend_ptr, kch_
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     m_i, l_i, acc = _flash_rows(qc, m_i, l_i, acc, kp_ptr, vp_ptr, b * sp2_b + h * sp2_h, sp2_t, 0, c0 * 0,
                                 tl.minimum(c0, length), row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t,
-                                smk_j, mask_len, BLOCK_N, D, IS_CAUSAL, MASK_KIND, CDT)
+                                smk_j, mask_len, BLOCK_N, D, IS_CAUSAL, MASK_KIND, CDT, MASK_I32)
     if HAS_CHUNK:
         m_i, l_i, acc = _flash_rows(qc, m_i, l_i, acc, kch_ptr, vch_ptr, b * sch_b + h * sch_h, sch_t, c0, c0,
                                     tl.minimum(c_end, length), row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h,
-                                    smk_t, smk_j, mask_len, BLOCK_N, D, IS_CAUSAL, MASK_KIND, CDT)
+                                    smk_t, smk_j, mask_len, BLOCK_N, D, IS_CAUSAL, MASK_KIND, CDT, MASK_I32)
     base = pid_bh * M_TOTAL + r  # one partial state a row
     tl.store(part_m_ptr + base, m_i, mask=row_ok)
     tl.store(part_l_ptr + base, l_i, mask=row_ok)
     tl.store(part_o_ptr + base[:, None] * D + dcol[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["L", "s_row"])
+def _mask_rows_kernel(mask_ptr, s_row, out_ptr, L, BLOCK: tl.constexpr):
+    """First and last visible key of one bool mask row, and whether every key between them is visible."""
+    row = tl.program_id(0).to(tl.int64)
+    first = L
+    last = -1
+    count = 0
+    for j0 in range(0, L, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        m = tl.load(mask_ptr + row * s_row + j, mask=j < L, other=0) != 0
+        first = tl.minimum(first, tl.min(tl.where(m, j, L), 0))
+        last = tl.maximum(last, tl.max(tl.where(m, j, -1), 0))
+        count += tl.sum(m.to(tl.int32), 0)
+    tl.store(out_ptr + 3 * row, first)
+    tl.store(out_ptr + 3 * row + 1, last)
+    tl.store(out_ptr + 3 * row + 2, (count == 0) | (count == last - first + 1))
+
+
+def _mask_intervals(mask4: torch.Tensor) -> torch.Tensor | None:
+    """``(first, last)`` visible key of every row of a bool (uint8) mask ``[b, h, t, L]`` as int32 ``[b, h, t, 2]``, or
+    None when some row is not one interval (it is then read key by key). One pass over the mask and one sync."""
+    lead, n = mask4.shape[:-1], mask4.shape[-1]
+    rows = mask4.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], 3, dtype=torch.int32, device=mask4.device)
+    if rows.shape[0]:
+        _mask_rows_kernel[(rows.shape[0],)](rows, rows.stride(0), out, n, BLOCK=1024)
+    if not bool(out[:, 2].all()):
+        return None
+    return out[:, :2].reshape(*lead, 2)
 
 
 @triton.jit(do_not_specialize=["sbt_b", "S", "W", "P"])
@@ -959,6 +1011,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
         mask_kind = 1 if mask.dtype == torch.bool else 2
         if mask.dtype == torch.bool:
             mask = mask.view(torch.uint8)  # same bytes, any strides: never materialise a broadcast mask
+        mask_rows = mask  # before broadcasting: what _mask_intervals reads
         mask = mask.expand(b, hq, t, mask.shape[-1])  # stride 0 where it broadcasts
         mask_len = mask.shape[-1]
     else:
@@ -994,7 +1047,9 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     aligned = _aligned16(k_codes, v_codes, k_sink, v_sink, k_ring, v_ring, kch, vch)
     frag = fragment_order.in_fragment_order(k_codes)
     prefix = None
-    if gather_prefix is not False and not ablate and (gather_prefix or tiles[0][1].nc):
+    # 16-bit chunks only: 32-bit rows staged through shared memory by two pipelined loops do not fit it at d = 256
+    # (360 KB for fp32 on the H200); fp32 caches (the CPU's, tests) keep the split launches
+    if gather_prefix is not False and not ablate and (gather_prefix or (tiles[0][1].nc and kch.element_size() == 2)):
         # rows in the chunk's 16-bit type, so both loops of the fused launch feed the tensor cores without conversion
         rows_dtype = kch.dtype if kch.dtype in (torch.bfloat16, torch.float16) else dot_dtype
         prefix = _gathered_prefix(geo, lens, c0, has_chunk, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring,
@@ -1003,6 +1058,11 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     if prefix is not None:  # the fused prefill: one launch a query tile, one partial state a row
         tiles = plan_tiles(b, hq, t, geo, dev, block_n, splits, temp_budget, chunk_len=chunk_len, fused=True)
         LAST_LAUNCH["plan"] = tiles[0][1]
+        if mask_kind == 1:  # a bool mask of one interval a row (what models pass) is read as two bounds a row
+            bounds = _mask_intervals(mask_rows)
+            if bounds is not None:
+                mask, mask_kind = bounds.expand(b, hq, t, 2), 3
+    LAST_LAUNCH["mask_kind"] = mask_kind
     # One set of temporaries for every tile, as large as the largest tile needs (a shorter last tile may
     # split its keys more; each plan is within the budget, so their maximum is too).
     rows = max(b * h * p.m_total for _, p in tiles)
@@ -1041,12 +1101,14 @@ def _gathered_prefix(geo, lens, c0, has_chunk, kw, k_meta, vw, v_meta, k_sink, v
     if geo.drops_evicted or (kw.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return None
     b = lens.shape[0]
-    p = int(torch.minimum(c0, lens).max()) if has_chunk else int(lens.max())
-    if p <= 0 or 2 * b * p * h * d * 2 > GATHER_BYTES_BUDGET:
+    p = max(int(torch.minimum(c0, lens).max()) if has_chunk else int(lens.max()), 0)
+    if 2 * b * p * h * d * 2 > GATHER_BYTES_BUDGET:
         return None
-    k = torch.empty(b, p, h, d, dtype=dot_dtype, device=kw.device)
+    k = torch.empty(b, max(p, 1), h, d, dtype=dot_dtype, device=kw.device)  # a first chunk has no prefix: no rows
     v = torch.empty_like(k)
     block = 32
+    if p == 0:
+        return k, v
     _gather_prefix_kernel[(b * h, triton.cdiv(p, block))](
         lens, lens.stride(0), c0, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
         block_table.stride(0), kw.stride(0), kw.stride(1), kw.stride(2), k_meta.stride(0), k_meta.stride(1),
@@ -1072,11 +1134,14 @@ def _launch_prefill_tile(plan, q, pos, lens, c0, c_end, kch, vch, prefix, mask, 
     smk = mask.stride() if mask is not None else (0, 0, 0, 0)
     cdt = dt if _INTERPRET else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(pk.dtype, dt)
     bm = block_m or plan.block_m
+    # a mask's offsets within one batch row (heads x queries x keys) in int32 when they fit
+    mask_i32 = mask is not None and sum((n - 1) * st for n, st in zip(mask.shape[1:], mask.stride()[1:])) < 2**31
     LAST_LAUNCH["attention"] = _prefill_kernel[(b * h, triton.cdiv(m_total, bm))](
         qq, pos, pos.stride(0), lens, lens.stride(0), c0, c_end, kch, vch, kch.stride(0), kch.stride(1), kch.stride(2),
         pk, pv, pk.stride(0), pk.stride(1), pk.stride(2), q if mask is None else mask, smk[0], smk[1], smk[2], smk[3],
         mask_len, part_m, part_l, part_o, m_total, H=h, G=g, D=d, BLOCK_M=bm, BLOCK_N=BF16_BLOCK_N,
-        IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_CHUNK=has_chunk, CDT=cdt, num_warps=warps or 4)
+        IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_CHUNK=has_chunk, CDT=cdt, MASK_I32=mask_i32,
+        num_warps=warps or 4)
     for name in ("attention_bf16", "attention_chunk"):
         LAST_LAUNCH.pop(name, None)
     _merge(part_m, part_l, part_o, bo, muv, out, pos, rows, m_total, 1, h, g, d)
