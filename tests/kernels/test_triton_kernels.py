@@ -183,6 +183,17 @@ def test_prefill_fused_over_gathered_prefix_small(group, mask, window):
     assert LAST_LAUNCH["mask_kind"] == (3 if mask else 0)  # causal and sliding masks: one interval of keys a row
 
 
+def test_prefill_gather_past_its_budget_keeps_the_split_launches_small(monkeypatch):
+    # The gathered prefix is a temporary of the attention op, bounded by GATHER_BYTES_BUDGET: past it the call reads
+    # the INT2 pages itself (split launches), with the same result
+    from oscar_compile.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "GATHER_BYTES_BUDGET", 20000)  # the 2nd chunk needs 2 x 2 x 30 x 2 x 64 x 2 bytes
+    _prefill_chunks(h=2, gqa=2, d=64, chunks=[(25, 30), (30, 20)], s=3, w=5, ps=4, mask=False, seed=10, block_n=16,
+                    gather_prefix=True)
+    assert not LAST_LAUNCH["gather_prefix"]  # the second chunk's prefix (30 keys a row, 2 rows) is past the budget
+
+
 @pytest.mark.parametrize("mask_kind", ["bool", "additive"])
 def test_prefill_fused_with_scattered_mask_small(mask_kind):
     # masks that are not one interval a row (30% of keys hidden at random) are read key by key in the fused launch
