@@ -22,9 +22,17 @@ the dot products, per key rather than per element::
     P V_hat  = (P * scale) @ c  + (P @ min)
 
 so the inner loop issues only the unpacking and two ``tl.dot`` (fp16 tensor cores). Smaller groups
-dequantize per element. Four launches: the query is rotated once per row (``q B_q``), the INT2
-pages and the BF16 keys run as two launches of the split kernel (registers of their own), and the
-merge kernel combines the splits and un-rotates the output. ``ablate`` switches off stages for
+dequantize per element.
+
+Prefill (a chunk of many query tokens) takes another route when it can: every row's keys before its chunk are
+gathered once as 16-bit rows (sinks, dequantized pages, ring: ``_gather_prefix_kernel``), and one flash-attention
+launch a query tile (``_prefill_kernel``) runs over them and over the chunk, one partial state a row. The split
+launches below remain for decode and for what the gather does not take (see :func:`_gathered_prefix`).
+
+Split launches: the query is rotated once per row (``q B_q``), the INT2
+pages and the BF16 keys run as two launches of the split kernel (registers of their own; a prefill chunk's own
+keys get a third, REGION 2, over their contiguous rows), and the merge kernel combines the splits and un-rotates
+the output. ``ablate`` switches off stages for
 measurements (1: values, 2: key dot, 4: everything but the loads). Triton's own software pipelining
 in place of the hand prefetch was measured slower on the H200 and removed
 (results/decode_attention_h200_probe_pipeline.json, configs ``pipeline``; commit 419d305 has the code).
@@ -983,8 +991,8 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      dot_dtype: torch.dtype = torch.float16, ablate: int = 0, unpack: str | None = None,
                      maxnreg: int | None = None, page_warps: int | None = None, bf16_warps: int | None = None,
                      temp_budget: int = TEMP_BYTES_BUDGET, page_kernel: str | None = None,
-                     dense_chunk: bool | None = None, bf16_block_m: int | None = None, page_block_m: int | None = None,
-                     chunk_block_m: int | None = None, chunk_warps: int | None = None, gather_prefix: bool | None = None):
+                     dense_chunk: bool | None = None, chunk_block_m: int | None = None, chunk_warps: int | None = None,
+                     gather_prefix: bool | None = None):
     """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
 
     ``page_kernel``: ``"gluon"``, ``"triton"`` or None (:data:`PAGE_KERNEL`, by default the Gluon decode
@@ -1022,12 +1030,6 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
         every = triton.cdiv(geo.num_sinks + geo.window + (0 if dense_chunk else chunk_len), BF16_BLOCK_N) * BF16_BLOCK_N
         tiles = [(t0, p if p.nc == int(dense_chunk) else
                   dataclasses.replace(p, bf16_per_split=every, nb=1, nc=int(dense_chunk))) for t0, p in tiles]
-    if page_block_m:  # a measurement option: the Triton page region's query rows a program
-        tiles = [(t0, dataclasses.replace(p, page_m=page_block_m, page_m_blocks=triton.cdiv(p.m_total, page_block_m)))
-                 for t0, p in tiles]
-    if bf16_block_m:  # a measurement option: the BF16 region's query rows a program
-        tiles = [(t0, dataclasses.replace(p, block_m=bf16_block_m, m_blocks=triton.cdiv(p.m_total, bf16_block_m)))
-                 for t0, p in tiles]
     LAST_LAUNCH["plan"] = tiles[0][1]
     if has_chunk:
         cpos = chunk_positions.expand(b, chunk_len) if chunk_positions.dim() == 1 else chunk_positions
