@@ -1095,7 +1095,7 @@ GATHER_BYTES_BUDGET = 2 * 2**30
 
 
 def _gathered_prefix(geo, lens, c0, has_chunk, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
-                     h, d, dot_dtype, aligned, frag):
+                     h, d, rows_dtype, aligned, frag):
     """Every row's keys and values before its chunk as 16-bit rows (``(k, v)`` of ``[B, P, H, d]``: sinks and ring
     copied, pages dequantized), for the fused prefill; None where the split launches must read the cache instead:
     a ring-only (sliding-window) cache, CUDA-graph capture (the size is read back: one sync a call, against
@@ -1106,7 +1106,7 @@ def _gathered_prefix(geo, lens, c0, has_chunk, kw, k_meta, vw, v_meta, k_sink, v
     p = max(int(torch.minimum(c0, lens).max()) if has_chunk else int(lens.max()), 0)
     if 2 * b * p * h * d * 2 > GATHER_BYTES_BUDGET:
         return None
-    k = torch.empty(b, max(p, 1), h, d, dtype=dot_dtype, device=kw.device)  # a first chunk has no prefix: no rows
+    k = torch.empty(b, max(p, 1), h, d, dtype=rows_dtype, device=kw.device)  # a first chunk has no prefix: no rows
     v = torch.empty_like(k)
     block = 32
     if p == 0:
