@@ -108,6 +108,32 @@ def bench_int2(b, prefix, chunk, device, configs, profile: bool) -> dict:
     return out
 
 
+def plot(rows, path) -> None:
+    """Bars per shape: the fastest BF16 kernel, INT2 through the split launches, INT2 as run (ms)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    split = json.dumps({"gather_prefix": False})
+    labels = [f"{r['batch']} x {r['prefix'] // 1024}K+{r['chunk'] // 1024}K" for r in rows]
+    series = [("BF16 fastest (" + "/".join(sorted({r['bf16_fastest'] for r in rows})) + ")",
+               [r["bf16_fastest_ms"] for r in rows]),
+              ("INT2, split launches", [r["int2"]["times_ms"].get(split, float("nan")) for r in rows]),
+              ("INT2, as run (fused where it applies)", [r["int2"]["times_ms"]["causal"] for r in rows])]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.27
+    for i, (name, vals) in enumerate(series):
+        ax.bar([x + (i - 1) * width for x in range(len(rows))], vals, width, label=name)
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per layer call (log)")
+    ax.set_title("Prefill attention of one 4096-token chunk over its prefix (H200, Llama-3-8B heads)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -116,7 +142,11 @@ def main():
     ap.add_argument("--configs", default='[{"dense_chunk": false}]',
                     help="extra attention_triton options to time, JSON list of dicts")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--plot-only", default=None, help="re-plot a results JSON (no GPU needed)")
     a = ap.parse_args()
+    if a.plot_only:
+        plot(json.loads(Path(a.plot_only).read_text())["rows"], Path(a.plot_only).with_suffix(".png"))
+        return
     shapes = SHAPES
     if a.shapes:
         shapes = []
@@ -153,6 +183,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    plot(rows, out / f"{a.name}.png")
 
 
 if __name__ == "__main__":
