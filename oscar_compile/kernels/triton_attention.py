@@ -277,6 +277,38 @@ def _online_softmax(s, m_i, l_i):
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
+@triton.jit
+def _row_block(pid_bh, m_block, pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, cend_ptr, M_TOTAL, H: tl.constexpr,
+               G: tl.constexpr, BLOCK_M: tl.constexpr, HAS_CHUNK: tl.constexpr):
+    """Query rows ``r`` of block ``m_block`` of (sequence row ``b``, KV head ``h``): their token, query head and
+    position, and the row's length and chunk ``[c0, c_end)`` (int64, for offsets into the user's tensors).
+    Padding rows of the last block point at token 0: every address they form stays inside the tensors (the mask
+    loads of a non-causal decode are not otherwise guarded by row_ok; on the GPU they faulted)."""
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < M_TOTAL
+    row_t = tl.where(row_ok, r // G, 0).to(tl.int64)
+    row_hq = h * G + r % G
+    row_pos = tl.load(pos_ptr + b * sp_b + row_t, mask=row_ok, other=-1).to(tl.int64)
+    length = tl.load(len_ptr + b * sl_b).to(tl.int64)
+    if HAS_CHUNK:
+        c0 = tl.load(c0_ptr + b).to(tl.int64)
+        c_end = tl.load(cend_ptr + b).to(tl.int64)
+    else:
+        c0 = length
+        c_end = length
+    return b, h, r, row_ok, row_t, row_hq, row_pos, length, c0, c_end
+
+
+@triton.jit
+def _store_state(part_m_ptr, part_l_ptr, part_o_ptr, base, row_ok, m_i, l_i, acc, cols, D: tl.constexpr):
+    """A split's partial softmax state of its rows: m, l and the unnormalized output (rotated basis, ``cols``)."""
+    tl.store(part_m_ptr + base, m_i, mask=row_ok)
+    tl.store(part_l_ptr + base, l_i, mask=row_ok)
+    tl.store(part_o_ptr + base[:, None] * D + cols[None, :], acc, mask=row_ok[:, None])
+
+
 # Sizes that change from call to call (prompt length, split counts, sinks/window in use) are not
 # specialised: Triton would otherwise compile a variant per value class (1, multiple of 16, other) of
 # each, i.e. recompile on new prompt lengths while serving. So are strides that follow those sizes (positions,
@@ -323,25 +355,9 @@ def _attn_kernel(
     Offsets into the user's tensors (queries, masks, chunks) are int64; the partial states are bounded
     by the launcher's temporary budget, so their offsets stay int32."""
     pid_bh = tl.program_id(0)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    m_block = tl.program_id(1)
     split = tl.program_id(2) + REGION * NSPLIT if REGION < 2 else NS - 1  # REGION 2 (the chunk): the last state
-
-    r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = r < M_TOTAL
-    # Padding rows of the last block point at token 0: every address they form stays inside the tensors
-    # (the mask loads of a non-causal decode are not otherwise guarded by row_ok; on the GPU they faulted).
-    row_t = tl.where(row_ok, r // G, 0).to(tl.int64)
-    row_hq = h * G + r % G
-    row_pos = tl.load(pos_ptr + b * sp_b + row_t, mask=row_ok, other=-1).to(tl.int64)
-    length = tl.load(len_ptr + b * sl_b).to(tl.int64)
-    if HAS_CHUNK:
-        c0 = tl.load(c0_ptr + b).to(tl.int64)
-        c_end = tl.load(cend_ptr + b).to(tl.int64)
-    else:
-        c0 = length
-        c_end = length
+    b, h, r, row_ok, row_t, row_hq, row_pos, length, c0, c_end = _row_block(
+        pid_bh, tl.program_id(1), pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, cend_ptr, M_TOTAL, H, G, BLOCK_M, HAS_CHUNK)
     page_end = tl.maximum(tl.minimum(length - W, c0), S)  # INT2 keys: [S, page_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -445,11 +461,8 @@ def _attn_kernel(
                 p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
                 acc = tl.dot(p.to(DT), v, acc * alpha[:, None])
                 m_i = m_new
-    # partial softmax state of this split: m, l and the unnormalized output (rotated basis)
-    base = (pid_bh * M_TOTAL + r) * NS + split
-    tl.store(part_m_ptr + base, m_i, mask=row_ok)
-    tl.store(part_l_ptr + base, l_i, mask=row_ok)
-    tl.store(part_o_ptr + base[:, None] * D + uperm[None, :], acc, mask=row_ok[:, None])
+    _store_state(part_m_ptr, part_l_ptr, part_o_ptr, (pid_bh * M_TOTAL + r) * NS + split, row_ok, m_i, l_i, acc,
+                 uperm, D)
 
 
 @triton.jit
@@ -524,20 +537,8 @@ def _prefill_kernel(qq_ptr, pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, cend_ptr, kch_
     :func:`_gather_prefix_kernel` (sinks, dequantized pages, ring), then the chunk's own keys ``[c0, c_end)``; one
     partial state a row (the merge kernel un-rotates it)."""
     pid_bh = tl.program_id(0)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = r < M_TOTAL
-    row_t = tl.where(row_ok, r // G, 0).to(tl.int64)
-    row_hq = h * G + r % G
-    row_pos = tl.load(pos_ptr + b * sp_b + row_t, mask=row_ok, other=-1).to(tl.int64)
-    length = tl.load(len_ptr + b * sl_b).to(tl.int64)
-    if HAS_CHUNK:
-        c0 = tl.load(c0_ptr + b).to(tl.int64)
-        c_end = tl.load(cend_ptr + b).to(tl.int64)
-    else:
-        c0 = length
-        c_end = length
+    b, h, r, row_ok, row_t, row_hq, row_pos, length, c0, c_end = _row_block(
+        pid_bh, tl.program_id(1), pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, cend_ptr, M_TOTAL, H, G, BLOCK_M, HAS_CHUNK)
     dcol = tl.arange(0, D)
     qc = tl.load(qq_ptr + (pid_bh * M_TOTAL + r)[:, None] * D + dcol[None, :], mask=row_ok[:, None],
                  other=0.0).to(tl.float32).to(CDT)
@@ -551,10 +552,7 @@ def _prefill_kernel(qq_ptr, pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, cend_ptr, kch_
         m_i, l_i, acc = _flash_rows(qc, m_i, l_i, acc, kch_ptr, vch_ptr, b * sch_b + h * sch_h, sch_t, c0, c0,
                                     tl.minimum(c_end, length), row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h,
                                     smk_t, smk_j, mask_len, BLOCK_N, D, IS_CAUSAL, MASK_KIND, CDT, MASK_I32)
-    base = pid_bh * M_TOTAL + r  # one partial state a row
-    tl.store(part_m_ptr + base, m_i, mask=row_ok)
-    tl.store(part_l_ptr + base, l_i, mask=row_ok)
-    tl.store(part_o_ptr + base[:, None] * D + dcol[None, :], acc, mask=row_ok[:, None])
+    _store_state(part_m_ptr, part_l_ptr, part_o_ptr, pid_bh * M_TOTAL + r, row_ok, m_i, l_i, acc, dcol, D)  # one a row
 
 
 @triton.jit(do_not_specialize=["L", "s_row"])
@@ -1121,6 +1119,19 @@ def _gathered_prefix(geo, lens, c0, has_chunk, kw, k_meta, vw, v_meta, k_sink, v
     return k, v
 
 
+def _rotate_queries(plan, q, bq, qq, rows, scale, h, g, d):
+    """``qq = q B_q * scale * log2(e)``: the query rows of a tile, rotated once (not once per split)."""
+    _query_kernel[(triton.cdiv(rows, plan.block_m), h)](q, q.stride(0), q.stride(1), q.stride(2), bq, qq, plan.m_total,
+                                                        rows, scale * LOG2E, H=h, G=g, D=d, BLOCK_M=plan.block_m,
+                                                        KC=min(d, 64))
+
+
+def _rows_type(dtype: torch.dtype, dt):
+    """Tensor-core operand type for 16-bit key rows: their own type (no conversion before the tensor cores); ``dt``
+    for other rows, and in the interpreter, whose bf16 arithmetic is wrong (DESIGN.md section 5)."""
+    return dt if _INTERPRET else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(dtype, dt)
+
+
 def _launch_prefill_tile(plan, q, pos, lens, c0, c_end, kch, vch, prefix, mask, mask_kind, mask_len, bq, bo, muv,
                          is_causal, scale, qq, part_m, part_l, part_o, out, h, g, d, dt, has_chunk, block_m=None,
                          warps=None):
@@ -1129,12 +1140,10 @@ def _launch_prefill_tile(plan, q, pos, lens, c0, c_end, kch, vch, prefix, mask, 
     b = q.shape[0]
     m_total = plan.m_total
     rows = b * m_total
-    _query_kernel[(triton.cdiv(rows, plan.block_m), h)](q, q.stride(0), q.stride(1), q.stride(2), bq, qq, m_total, rows,
-                                                        scale * LOG2E, H=h, G=g, D=d, BLOCK_M=plan.block_m,
-                                                        KC=min(d, 64))
+    _rotate_queries(plan, q, bq, qq, rows, scale, h, g, d)
     pk, pv = prefix
     smk = mask.stride() if mask is not None else (0, 0, 0, 0)
-    cdt = dt if _INTERPRET else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(pk.dtype, dt)
+    cdt = _rows_type(pk.dtype, dt)
     bm = block_m or plan.block_m
     # a mask's offsets within one batch row (heads x queries x keys) in int32 when they fit
     mask_i32 = mask is not None and sum((n - 1) * st for n, st in zip(mask.shape[1:], mask.stride()[1:])) < 2**31
@@ -1157,14 +1166,10 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     keys (prefill), merge."""
     b = q.shape[0]
     dense_chunk = bool(plan.nc) and has_chunk
-    # the chunk loop's operand dtype: the chunk's own 16-bit type (no conversion before the tensor cores); the
-    # interpreter's bf16 arithmetic is wrong (DESIGN.md section 5), so it converts to fp16 there
     m_total, ns = plan.m_total, plan.ns
     smk = mask.stride() if mask is not None else (0, 0, 0, 0)
     rows = b * m_total  # a KV head's query rows, over all batch rows
-    _query_kernel[(triton.cdiv(rows, plan.block_m), h)](q, q.stride(0), q.stride(1), q.stride(2), bq, qq, m_total, rows,
-                                                        scale * LOG2E, H=h, G=g, D=d, BLOCK_M=plan.block_m,
-                                                        KC=min(d, 64))
+    _rotate_queries(plan, q, bq, qq, rows, scale, h, g, d)
     args = (
         qq, pos, pos.stride(0), lens, lens.stride(0),
         c0, c_end, kch, vch, kch.stride(0), kch.stride(1), kch.stride(2),
@@ -1181,7 +1186,7 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     page_opts = {"maxnreg": maxnreg} if maxnreg else {}  # a register cap trades spills for CTAs per SM
     # warps: page_warps for the page region alone, else num_warps for both regions, else the heuristic
     page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, plan.page_m_blocks, plan.page_m, q.device)
-    cdt = dt if _INTERPRET else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(kch.dtype, dt)
+    cdt = _rows_type(kch.dtype, dt)  # the chunk launch's operands
     if plan.nsplit == 0:  # no pages
         LAST_LAUNCH.pop("attention", None)
     elif plan.page_kernel == "gluon":
