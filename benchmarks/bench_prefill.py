@@ -139,7 +139,7 @@ def main():
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--name", default="prefill_attention_h200")
     ap.add_argument("--shapes", default=None, help="batch x prefix + chunk, e.g. 32x4096+4096,1x28672+4096")
-    ap.add_argument("--configs", default='[{"dense_chunk": false}]',
+    ap.add_argument("--configs", default='[{"gather_prefix": false}]',
                     help="extra attention_triton options to time, JSON list of dicts")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--plot-only", default=None, help="re-plot a results JSON (no GPU needed)")

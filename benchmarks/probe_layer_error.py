@@ -50,18 +50,17 @@ def output_errors(q, k, v, tr, scale: float, sinks: int, window: int, queries: i
     j = torch.arange(t)[None, :]
     visible = j <= pos
     exact = (j < sinks) | (j > pos - window)  # sinks and the ring: BF16
+    s_exact = torch.einsum("hgtd,hjd->hgtj", qt, kt)
+    s_quant = torch.where(exact, s_exact, torch.einsum("hgtd,hjd->hgtj", qt, kq))
+    p_ref = torch.softmax((s_exact * scale).masked_fill(~visible, float("-inf")), -1)
+    ref_o = torch.einsum("hgtd,hde->hgte", torch.einsum("hgtj,hjd->hgtd", p_ref, vt), tr.output_transform)
     out = {}
     for name, qk, qv in (("keys", True, False), ("values", False, True), ("both", True, True)):
-        s_exact = torch.einsum("hgtd,hjd->hgtj", qt, kt)
-        s = torch.where(exact, s_exact, torch.einsum("hgtd,hjd->hgtj", qt, kq)) if qk else s_exact
-        p_ref = torch.softmax((s_exact * scale).masked_fill(~visible, float("-inf")), -1)
-        p = torch.softmax((s * scale).masked_fill(~visible, float("-inf")), -1)
-        ref = torch.einsum("hgtj,hjd->hgtd", p_ref, vt)
+        p = torch.softmax(((s_quant if qk else s_exact) * scale).masked_fill(~visible, float("-inf")), -1)
         if qv:
             got = torch.einsum("hgtj,hjd->hgtd", p * exact, vt) + torch.einsum("hgtj,hjd->hgtd", p * ~exact, vq)
         else:
             got = torch.einsum("hgtj,hjd->hgtd", p, vt)
-        ref_o = torch.einsum("hgtd,hde->hgte", ref, tr.output_transform)
         got_o = torch.einsum("hgtd,hde->hgte", got, tr.output_transform)
         rel = ((got_o - ref_o).norm(dim=-1) / (ref_o + tr.value_mean[:, None, None]).norm(dim=-1).clamp_min(1e-9))
         out[name] = {"mean": float(rel.mean()), "per_kv_head": [round(float(x), 4) for x in rel.mean(dim=(1, 2))]}

@@ -77,13 +77,18 @@ def _eval(args) -> int:
     model, tok = load_model(args.model)  # float32 on the CPU: calibration and the artifact hash see these weights
     names = args.methods.split(",")
     # "method@S": calibrated in sequences of S tokens (default --calib-seq-len)
-    seq_of = {n: int(n.split("@")[1]) if "@" in n else args.calib_seq_len for n in names}
+    base = {n: n.partition("@")[0] for n in names}
+    try:
+        seq_of = {n: int(n.partition("@")[2] or args.calib_seq_len) for n in names}
+    except ValueError:
+        raise SystemExit(f"oscar eval: --methods {args.methods}: in name@S, S is a calibration sequence length in tokens")
+    calibrated = [n for n in names if base[n] not in ("bf16", "kivi")]
     artifacts = {}
-    for seq in sorted(set(seq_of.values())):
-        needs_stats = [n.split("@")[0] for n in names if n not in ("bf16", "kivi") and seq_of[n] == seq]
+    for seq in sorted({seq_of[n] for n in calibrated}):
+        group = [n for n in calibrated if seq_of[n] == seq]
         # cached per (model, method, tokens, sequence length) like the demo's: a second eval run does not recalibrate
-        found, _ = cached_artifacts_for(model, tok, args.model, needs_stats, args.calib_tokens, seq_len=seq)
-        artifacts.update({n: found[n.split("@")[0]] for n in names if n.split("@")[0] in found and seq_of[n] == seq})
+        found, _ = cached_artifacts_for(model, tok, args.model, [base[n] for n in group], args.calib_tokens, seq_len=seq)
+        artifacts.update({n: found[base[n]] for n in group})
     model.to(device=device, dtype=dtype)
     methods = []
     for n in names:
@@ -92,7 +97,7 @@ def _eval(args) -> int:
         elif n == "kivi":
             methods.append(Method("kivi-2", "kivi", options={"group": 32, "residual": 128}))
         else:
-            label = f"{n} ({artifacts[n].method})" if n.split("@")[0] == "default" else n
+            label = f"{n} ({artifacts[n].method})" if base[n] == "default" else n
             group = {"group_size": args.group_size} if args.group_size else {}
             methods.append(Method(label + (f" g{args.group_size}" if group else ""), "oscar", artifacts[n], group))
     cfg = EvalConfig(ppl_contexts=ints(args.ppl_contexts), ppl_decode=args.ppl_decode, ppl_sequences=args.ppl_sequences,
