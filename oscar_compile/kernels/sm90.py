@@ -81,15 +81,16 @@ def compile_attention(d=128, g=4, block_m=16, block_n=128, region=0, prefill=Fal
     return compile_sm90(_attn_kernel, const, ATTENTION_POINTERS, num_warps, num_stages, maxnreg)
 
 
-def compile_prefill(d=128, g=4, block_m=64, mask_kind=0, causal=True, rows="*bf16", num_warps=4):
-    """The fused prefill launch (gathered prefix + chunk) of :mod:`.triton_attention`."""
+def compile_prefill(d=128, g=4, block_m=64, mask_kind=0, causal=True, rows="*bf16", num_warps=4, tiles=0):
+    """The fused prefill launch (gathered prefix + chunk) of :mod:`.triton_attention`; ``tiles``: which row blocks
+    it takes (0 all; 1 interval rows, 2 the others, the two launches of a bool mask)."""
     import triton.language as tl
 
     from .triton_attention import _prefill_kernel
 
     const = dict(H=8, G=g, D=d, BLOCK_M=block_m, BLOCK_N=64, IS_CAUSAL=causal, MASK_KIND=mask_kind, HAS_CHUNK=True,
-                 CDT=tl.bfloat16 if rows == "*bf16" else tl.float16, MASK_I32=mask_kind == 1)
-    pointers = dict(ATTENTION_POINTERS, kp_ptr=rows, vp_ptr=rows, kch_ptr=rows, vch_ptr=rows,
+                 CDT=tl.bfloat16 if rows == "*bf16" else tl.float16, MASK_I32=mask_kind == 1, TILES=tiles)
+    pointers = dict(ATTENTION_POINTERS, kp_ptr=rows, vp_ptr=rows, kch_ptr=rows, vch_ptr=rows, flag_ptr="*i32",
                     mask_ptr={1: "*u8", 3: "*i32"}.get(mask_kind, "*bf16"))
     return compile_sm90(_prefill_kernel, const, pointers, num_warps)
 
@@ -171,8 +172,10 @@ def extra_variants() -> dict:
         "prefill bf16 keys, bool mask": lambda: compile_attention(d=128, block_m=64, block_n=64, region=1, prefill=True,
                                                                   mask_kind=1, causal=False),  # transformers' prefill
         "prefill fused, bool mask": lambda: compile_prefill(d=128, mask_kind=1, causal=False),
+        "prefill fused, bool mask rows not intervals": lambda: compile_prefill(d=128, mask_kind=1, causal=False,
+                                                                                tiles=2),
         "prefill fused, fp16 rows": lambda: compile_prefill(d=128, rows="*fp16"),
-        "prefill fused, interval mask": lambda: compile_prefill(d=128, mask_kind=3, causal=False),
+        "prefill fused, interval mask": lambda: compile_prefill(d=128, mask_kind=3, causal=False, tiles=1),
         "prefill gather, 2 groups": lambda: compile_gather(d=128, ng=2),
         "pages, 2 groups": lambda: compile_attention(d=128, block_m=16, region=0, ng=2),
         "pages, 2 warps": lambda: compile_attention(d=128, block_m=16, region=0, num_warps=2),

@@ -484,7 +484,7 @@ def _flash_rows(qc, m_i, l_i, acc, k_ptr, v_ptr, base, s_t, origin, c_lo, c_hi, 
         c_hi = tl.minimum(c_hi, tl.max(row_pos, 0) + 1)
     if MASK_KIND == 3:
         # a bool mask whose every row is one interval of visible keys (causal, sliding window, padding), given as
-        # (first, last) a row by _mask_intervals: two compares a key, and the loop runs over the block's union only
+        # (first, last) a row by _mask_bounds: two compares a key, and the loop runs over the block's union only
         bounds = mask_ptr + row_hq * smk_h + row_t * smk_t
         lo = tl.where(row_pos >= 0, tl.load(bounds), 2**31 - 1).to(tl.int64)
         hi = tl.where(row_pos >= 0, tl.load(bounds + smk_j), -1).to(tl.int64)
@@ -530,15 +530,46 @@ def _flash_rows(qc, m_i, l_i, acc, k_ptr, v_ptr, base, s_t, origin, c_lo, c_hi, 
 @triton.jit(do_not_specialize=["sp_b", "smk_b", "smk_h", "smk_t", "M_TOTAL", "mask_len"])
 def _prefill_kernel(qq_ptr, pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, cend_ptr, kch_ptr, vch_ptr, sch_b, sch_t, sch_h,
                     kp_ptr, vp_ptr, sp2_b, sp2_t, sp2_h, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
-                    part_m_ptr, part_l_ptr, part_o_ptr, M_TOTAL, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-                    HAS_CHUNK: tl.constexpr, CDT: tl.constexpr, MASK_I32: tl.constexpr = False):
+                    part_m_ptr, part_l_ptr, part_o_ptr, M_TOTAL, flag_ptr, sf_b, sf_h, sf_t, H: tl.constexpr,
+                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_CHUNK: tl.constexpr, CDT: tl.constexpr,
+                    MASK_I32: tl.constexpr = False, TILES: tl.constexpr = 0):
     """A prefill's row block in one launch: the keys before the chunk ``[0, min(c0, L))`` as 16-bit rows gathered by
     :func:`_gather_prefix_kernel` (sinks, dequantized pages, ring), then the chunk's own keys ``[c0, c_end)``; one
-    partial state a row (the merge kernel un-rotates it)."""
+    partial state a row (the merge kernel un-rotates it).
+
+    ``TILES``: 0 every row block; 1 only blocks whose mask rows are all one interval (``flag_ptr`` nonzero), 2 only
+    the others. A bool mask runs as two launches, 1 with its intervals and 2 key by key, and nothing is read back
+    to choose (CUDA-graph capture allows no sync)."""
     pid_bh = tl.program_id(0)
     b, h, r, row_ok, row_t, row_hq, row_pos, length, c0, c_end = _row_block(
         pid_bh, tl.program_id(1), pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, cend_ptr, M_TOTAL, H, G, BLOCK_M, HAS_CHUNK)
+    if TILES == 0:
+        _prefill_rows(qq_ptr, pid_bh, b, h, r, row_ok, row_t, row_hq, row_pos, length, c0, c_end, kch_ptr, vch_ptr,
+                      sch_b, sch_t, sch_h, kp_ptr, vp_ptr, sp2_b, sp2_t, sp2_h, mask_ptr, smk_b, smk_h, smk_t, smk_j,
+                      mask_len, part_m_ptr, part_l_ptr, part_o_ptr, M_TOTAL, D, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                      MASK_KIND, HAS_CHUNK, CDT, MASK_I32)
+    else:
+        flags = tl.load(flag_ptr + b * sf_b + row_hq * sf_h + row_t * sf_t, mask=row_ok & (row_pos >= 0), other=1)
+        lowest = tl.min(flags, 0)
+        if TILES == 2:
+            run = lowest == 0  # some row of the block is not one interval: read its mask key by key
+        else:
+            run = lowest != 0
+        if run:
+            _prefill_rows(qq_ptr, pid_bh, b, h, r, row_ok, row_t, row_hq, row_pos, length, c0, c_end, kch_ptr,
+                          vch_ptr, sch_b, sch_t, sch_h, kp_ptr, vp_ptr, sp2_b, sp2_t, sp2_h, mask_ptr, smk_b, smk_h,
+                          smk_t, smk_j, mask_len, part_m_ptr, part_l_ptr, part_o_ptr, M_TOTAL, D, BLOCK_M, BLOCK_N,
+                          IS_CAUSAL, MASK_KIND, HAS_CHUNK, CDT, MASK_I32)
+
+
+@triton.jit
+def _prefill_rows(qq_ptr, pid_bh, b, h, r, row_ok, row_t, row_hq, row_pos, length, c0, c_end, kch_ptr, vch_ptr,
+                  sch_b, sch_t, sch_h, kp_ptr, vp_ptr, sp2_b, sp2_t, sp2_h, mask_ptr, smk_b, smk_h, smk_t, smk_j,
+                  mask_len, part_m_ptr, part_l_ptr, part_o_ptr, M_TOTAL, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_CHUNK: tl.constexpr,
+                  CDT: tl.constexpr, MASK_I32: tl.constexpr):
+    """The body of :func:`_prefill_kernel` for one row block: prefix rows, then the chunk, then its partial state."""
     dcol = tl.arange(0, D)
     qc = tl.load(qq_ptr + (pid_bh * M_TOTAL + r)[:, None] * D + dcol[None, :], mask=row_ok[:, None],
                  other=0.0).to(tl.float32).to(CDT)
@@ -573,9 +604,10 @@ def _mask_rows_kernel(mask_ptr, s_row, out_ptr, L, BLOCK: tl.constexpr):
     tl.store(out_ptr + 3 * row + 2, (count == 0) | (count == last - first + 1))
 
 
-def _mask_intervals(mask4: torch.Tensor) -> torch.Tensor | None:
-    """``(first, last)`` visible key of every row of a bool (uint8) mask ``[b, h, t, L]`` as int32 ``[b, h, t, 2]``, or
-    None when some row is not one interval (it is then read key by key). One pass over the mask and one sync."""
+def _mask_bounds(mask4: torch.Tensor) -> torch.Tensor:
+    """``(first, last, one_interval)`` of every row of a bool (uint8) mask ``[b, h, t, L]`` as int32 ``[b, h, t, 3]``:
+    its first and last visible key, and whether every key between them is visible. One pass over the mask, nothing
+    read back (the fused prefill launches once for blocks of interval rows and once for the rest)."""
     lead, n = mask4.shape[:-1], mask4.shape[-1]
     rows = mask4.reshape(-1, n)
     if rows.stride(-1) != 1:
@@ -583,9 +615,7 @@ def _mask_intervals(mask4: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(rows.shape[0], 3, dtype=torch.int32, device=mask4.device)
     if rows.shape[0]:
         _mask_rows_kernel[(rows.shape[0],)](rows, rows.stride(0), out, n, BLOCK=1024)
-    if not bool(out[:, 2].all()):
-        return None
-    return out[:, :2].reshape(*lead, 2)
+    return out.reshape(*lead, 3)
 
 
 @triton.jit(do_not_specialize=["sbt_b", "S", "W", "P"])
@@ -1017,11 +1047,12 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
         mask_kind = 1 if mask.dtype == torch.bool else 2
         if mask.dtype == torch.bool:
             mask = mask.view(torch.uint8)  # same bytes, any strides: never materialise a broadcast mask
-        mask_rows = mask  # before broadcasting: what _mask_intervals reads
+        mask_rows = mask  # before broadcasting: what _mask_bounds reads
         mask = mask.expand(b, hq, t, mask.shape[-1])  # stride 0 where it broadcasts
         mask_len = mask.shape[-1]
     else:
         mask, mask_kind, mask_len = None, 0, 0
+    key_mask = None  # the bool mask itself, where the fused prefill reads it as intervals (mask_kind 3)
     kernel = "triton" if ablate else choose_page_kernel(q, geo, k_codes, k_meta, t, mask_kind, dot_dtype, page_kernel)
     tiles = plan_tiles(b, hq, t, geo, dev, block_n, splits, temp_budget, chunk_len=chunk_len, page_kernel=kernel)
     if dense_chunk is not None and has_chunk and not ablate:  # forced either way (tests, measurements)
@@ -1059,9 +1090,8 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
         tiles = plan_tiles(b, hq, t, geo, dev, block_n, splits, temp_budget, chunk_len=chunk_len, fused=True)
         LAST_LAUNCH["plan"] = tiles[0][1]
         if mask_kind == 1:  # a bool mask of one interval a row (what models pass) is read as two bounds a row
-            bounds = _mask_intervals(mask_rows)
-            if bounds is not None:
-                mask, mask_kind = bounds.expand(b, hq, t, 2), 3
+            bounds = _mask_bounds(mask_rows).expand(b, hq, t, 3)
+            mask, key_mask, mask_kind = bounds, mask, 3
     LAST_LAUNCH["mask_kind"] = mask_kind
     # One set of temporaries for every tile, as large as the largest tile needs (a shorter last tile may
     # split its keys more; each plan is within the budget, so their maximum is too).
@@ -1075,8 +1105,9 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
         t1 = t0 + tile.tile_tokens
         tmask = None if mask is None else mask[:, :, t0:t1]
         if prefix is not None:
+            tkeys = None if key_mask is None else key_mask[:, :, t0:t1]
             _launch_prefill_tile(tile, q[:, :, t0:t1], pos[:, t0:t1], lens, c0, c_end, kch, vch, prefix, tmask,
-                                 mask_kind, mask_len, bq, bo, muv, is_causal, scale, qq, part_m, part_l, part_o,
+                                 tkeys, mask_kind, mask_len, bq, bo, muv, is_causal, scale, qq, part_m, part_l, part_o,
                                  out[:, :, t0:t1], h, g, d, dt, has_chunk, chunk_block_m, chunk_warps or num_warps)
             continue
         _launch_tile(tile, q[:, :, t0:t1], pos[:, t0:t1], lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta,
@@ -1088,20 +1119,32 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
 
 
 # Bytes of 16-bit key and value rows a prefill call may gather at once (every row's keys before its chunk): 64 x 8K
-# (the second 4K chunk) takes 1.1 GB, 1 x 128K 0.5 GB. Past it the split launches read the INT2 pages themselves.
-GATHER_BYTES_BUDGET = 2 * 2**30
+# (the second 4K chunk) takes 1.1 GB, 1 x 128K 0.5 GB; under CUDA-graph capture (a row's whole capacity) 64 x 8K
+# takes 2.2 GB. Past it the split launches read the INT2 pages themselves.
+GATHER_BYTES_BUDGET = 4 * 2**30
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether this call is being captured into a CUDA graph (nothing may be read back to the host)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _gathered_prefix(geo, lens, c0, has_chunk, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
                      h, d, rows_dtype, aligned, frag):
     """Every row's keys and values before its chunk as 16-bit rows (``(k, v)`` of ``[B, P, H, d]``: sinks and ring
     copied, pages dequantized), for the fused prefill; None where the split launches must read the cache instead:
-    a ring-only (sliding-window) cache, CUDA-graph capture (the size is read back: one sync a call, against
-    milliseconds of prefill attention), or past :data:`GATHER_BYTES_BUDGET`."""
-    if geo.drops_evicted or (kw.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    a ring-only (sliding-window) cache, or rows past :data:`GATHER_BYTES_BUDGET`.
+
+    The rows are as many as the longest prefix, read back (one sync a call, against milliseconds of prefill
+    attention); under CUDA-graph capture, which allows no sync, as many as the cache holds a row (the kernels read
+    each row's own prefix length on the device)."""
+    if geo.drops_evicted:
         return None
     b = lens.shape[0]
-    p = max(int(torch.minimum(c0, lens).max()) if has_chunk else int(lens.max()), 0)
+    if _capturing(kw.device):
+        p = geo.capacity
+    else:
+        p = max(int(torch.minimum(c0, lens).max()) if has_chunk else int(lens.max()), 0)
     if 2 * b * p * h * d * 2 > GATHER_BYTES_BUDGET:
         return None
     k = torch.empty(b, max(p, 1), h, d, dtype=rows_dtype, device=kw.device)  # a first chunk has no prefix: no rows
@@ -1132,27 +1175,35 @@ def _rows_type(dtype: torch.dtype, dt):
     return dt if _INTERPRET else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(dtype, dt)
 
 
-def _launch_prefill_tile(plan, q, pos, lens, c0, c_end, kch, vch, prefix, mask, mask_kind, mask_len, bq, bo, muv,
-                         is_causal, scale, qq, part_m, part_l, part_o, out, h, g, d, dt, has_chunk, block_m=None,
+def _launch_prefill_tile(plan, q, pos, lens, c0, c_end, kch, vch, prefix, mask, key_mask, mask_kind, mask_len, bq, bo,
+                         muv, is_causal, scale, qq, part_m, part_l, part_o, out, h, g, d, dt, has_chunk, block_m=None,
                          warps=None):
     """The fused prefill of one query tile: rotate queries, one flash-attention launch over the gathered prefix and
-    the chunk (one partial state a row), merge (un-rotate)."""
+    the chunk (one partial state a row), merge (un-rotate). A bool mask read as intervals (``mask_kind`` 3, ``mask``
+    the ``(first, last, one_interval)`` bounds) takes a second launch for the row blocks where some row is not one
+    interval, which reads ``key_mask`` key by key; each launch skips the other's blocks."""
     b = q.shape[0]
     m_total = plan.m_total
     rows = b * m_total
     _rotate_queries(plan, q, bq, qq, rows, scale, h, g, d)
     pk, pv = prefix
-    smk = mask.stride() if mask is not None else (0, 0, 0, 0)
     cdt = _rows_type(pk.dtype, dt)
     bm = block_m or plan.block_m
-    # a mask's offsets within one batch row (heads x queries x keys) in int32 when they fit
-    mask_i32 = mask is not None and sum((n - 1) * st for n, st in zip(mask.shape[1:], mask.stride()[1:])) < 2**31
-    LAST_LAUNCH["attention"] = _prefill_kernel[(b * h, triton.cdiv(m_total, bm))](
-        qq, pos, pos.stride(0), lens, lens.stride(0), c0, c_end, kch, vch, kch.stride(0), kch.stride(1), kch.stride(2),
-        pk, pv, pk.stride(0), pk.stride(1), pk.stride(2), q if mask is None else mask, smk[0], smk[1], smk[2], smk[3],
-        mask_len, part_m, part_l, part_o, m_total, H=h, G=g, D=d, BLOCK_M=bm, BLOCK_N=BF16_BLOCK_N,
-        IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_CHUNK=has_chunk, CDT=cdt, MASK_I32=mask_i32,
-        num_warps=warps or 4)
+    if mask_kind == 3:
+        flags = mask[..., 2]
+        launches = [(mask, 3, 1), (key_mask, 1, 2)]
+    else:
+        flags, launches = q, [(mask, mask_kind, 0)]
+    for m, kind, tiles in launches:
+        smk = m.stride() if m is not None else (0, 0, 0, 0)
+        # a mask's offsets within one batch row (heads x queries x keys) in int32 when they fit
+        mask_i32 = m is not None and sum((n - 1) * st for n, st in zip(m.shape[1:], m.stride()[1:])) < 2**31
+        LAST_LAUNCH["attention"] = _prefill_kernel[(b * h, triton.cdiv(m_total, bm))](
+            qq, pos, pos.stride(0), lens, lens.stride(0), c0, c_end, kch, vch, kch.stride(0), kch.stride(1),
+            kch.stride(2), pk, pv, pk.stride(0), pk.stride(1), pk.stride(2), q if m is None else m, smk[0], smk[1],
+            smk[2], smk[3], mask_len, part_m, part_l, part_o, m_total, flags, flags.stride(0), flags.stride(1),
+            flags.stride(2), H=h, G=g, D=d, BLOCK_M=bm, BLOCK_N=BF16_BLOCK_N, IS_CAUSAL=bool(is_causal),
+            MASK_KIND=kind, HAS_CHUNK=has_chunk, CDT=cdt, MASK_I32=mask_i32, TILES=tiles, num_warps=warps or 4)
     for name in ("attention_bf16", "attention_chunk"):
         LAST_LAUNCH.pop(name, None)
     _merge(part_m, part_l, part_o, bo, muv, out, pos, rows, m_total, 1, h, g, d)

@@ -197,9 +197,51 @@ def test_prefill_gather_past_its_budget_keeps_the_split_launches_small(monkeypat
 @pytest.mark.parametrize("mask_kind", ["bool", "additive"])
 def test_prefill_fused_with_scattered_mask_small(mask_kind):
     # masks that are not one interval a row (30% of keys hidden at random) are read key by key in the fused launch
+    # (a bool mask: by its second launch, which takes the row blocks that are not intervals)
     _run_case(h=1, gqa=2, d=64, lengths=(21, 14), s=2, w=3, ps=4, decode_steps=0, mask_kind=mask_kind, seed=9,
               gather_prefix=True)
-    assert LAST_LAUNCH["gather_prefix"] and LAST_LAUNCH["mask_kind"] == (1 if mask_kind == "bool" else 2)
+    assert LAST_LAUNCH["gather_prefix"] and LAST_LAUNCH["mask_kind"] == (3 if mask_kind == "bool" else 2)
+
+
+def test_prefill_mixed_interval_and_scattered_mask_rows_small():
+    # One bool mask whose rows are intervals (causal) for the first sequence and scattered for the second: with
+    # 4 query rows a block, blocks of both kinds, each taken by one of the two launches, none by both or neither
+    from oscar_compile.kernels.triton_attention import _mask_bounds
+
+    gen = torch.Generator().manual_seed(14)
+    b, h, gqa, d, t = 2, 1, 2, 64, 19
+    ref, _ = twin_caches(h, d, b, t + 1, 2, 3, 4, None, torch.float32, "invertible", 0.95, 14, device=DEV)
+    pos = torch.arange(t, device=DEV).expand(b, t).contiguous()
+    k, v = (torch.randn(b, h, t, d, generator=gen).to(DEV) for _ in range(2))
+    ck, cv = store_reference(*ref.store_args(0, k, v, pos))
+    q = torch.randn(b, h * gqa, t, d, generator=gen).to(DEV)
+    mask = torch.arange(t + 1)[None, :] <= torch.arange(t)[:, None]
+    mask = torch.stack([mask, mask & (torch.rand(t, t + 1, generator=gen) > 0.3)])[:, None]
+    mask[:, :, :, 0] = True
+    flags = _mask_bounds(mask.view(torch.uint8).to(DEV))[..., 2]
+    assert flags[0].all() and not flags[1].all()  # both kinds of rows are there
+    a = ref.attention_args(0, q, pos, pos.amax(-1) + 1, mask.to(DEV), False, chunk=(ck, cv, pos))
+    got = attention_triton(*a, gather_prefix=True, chunk_block_m=4)
+    assert LAST_LAUNCH["gather_prefix"] and LAST_LAUNCH["mask_kind"] == 3
+    assert rel_error(got, attention_reference(*a)) < ATTN_TOL
+
+
+def test_prefill_fused_without_reading_back_under_graph_capture_small(monkeypatch):
+    # Under CUDA-graph capture nothing may be read back: the gathered prefix takes a row's whole capacity and the
+    # bool mask's intervals are never checked on the host; same result (the GPU suite captures it for real)
+    from oscar_compile.kernels import triton_attention
+
+    def no_read_back(*args, **kwargs):
+        with pytest.MonkeyPatch.context() as m:
+            for name in ("item", "tolist", "__bool__", "__int__", "__index__"):
+                m.setattr(torch.Tensor, name, lambda self, *a, name=name: pytest.fail(f"{name} under capture"))
+            return triton_attention.attention_triton(*args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "_capturing", lambda device: True)
+    monkeypatch.setitem(globals(), "attention_triton", no_read_back)
+    _prefill_chunks(h=2, gqa=2, d=64, chunks=[(30, 41), (50, 20)], s=3, w=5, ps=4, mask=True, seed=15,
+                    block_n=16, gather_prefix=True)
+    assert LAST_LAUNCH["gather_prefix"] and LAST_LAUNCH["mask_kind"] == 3
 
 
 @pytest.mark.gpu
@@ -217,6 +259,58 @@ def test_prefill_dense_chunk_bf16_gpu(mask):
     _prefill_chunks(h=8, gqa=4, d=128, chunks=[(300, 1000), (700, 517)], s=64, w=256, ps=16, mask=mask,
                     seed=12, dtype=torch.bfloat16, tol=1e-2, gather_prefix=False)
     assert LAST_LAUNCH["dense_chunk"] and not LAST_LAUNCH["gather_prefix"]  # the split launches, chunk on its own
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_prefill_fused_captured_in_a_cuda_graph_gpu():
+    # transformers' reduce-overhead mode captures prefill chunks: the fused prefill records with nothing read back (a
+    # row's whole capacity gathered, the mask's intervals never checked on the host), then each replay reads the
+    # lengths and mask its buffers hold. Rows: causal, a sliding window (intervals) and a scattered mask (not).
+    h, gqa, d, b, chunk, chunks = 8, 4, 128, 3, 512, 4
+    total = chunk * chunks
+    ref, got = twin_caches(h, d, b, total + 1, 64, 256, 16, None, torch.bfloat16, "orthogonal", 0.95, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(16)
+    k_s, v_s = (torch.empty(b, h, chunk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q_s = torch.empty(b, h * gqa, chunk, d, device="cuda", dtype=torch.bfloat16)
+    pos_s = torch.empty(b, chunk, device="cuda", dtype=torch.long)
+    mask_s = torch.empty(b, 1, chunk, total + 1, device="cuda", dtype=torch.bool)
+    keys = torch.arange(total + 1, device="cuda")
+
+    def refill(i):
+        for x in (k_s, v_s, q_s):
+            x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+        pos_s.copy_(i * chunk + torch.arange(chunk, device="cuda"))
+        causal = keys <= pos_s[:, None, :, None]
+        causal[1] &= keys > pos_s[1, None, :, None] - 700
+        causal[2] &= (torch.rand(causal[2].shape, device="cuda", generator=gen) > 0.2) | (keys == 0)
+        mask_s.copy_(causal)
+
+    def step():
+        ck, cv = store_triton(*got.store_args(0, k_s, v_s, pos_s))
+        return attention_triton(*got.attention_args(0, q_s, pos_s, pos_s.amax(-1) + 1, mask_s, False,
+                                                    chunk=(ck, cv, pos_s)))
+
+    def check(out):
+        ck, cv = store_reference(*ref.store_args(0, k_s, v_s, pos_s))
+        expect = attention_reference(*ref.attention_args(0, q_s, pos_s, pos_s.amax(-1) + 1, mask_s, False,
+                                                         chunk=(ck, cv, pos_s)))
+        assert rel_error(out, expect) < 1e-2  # bf16 tensor-core operands (test_prefill_dense_chunk_bf16_gpu)
+
+    for i in range(2):  # eagerly: compiles every kernel, the gather's included (the first chunk has no prefix)
+        refill(i)
+        check(step())
+        assert LAST_LAUNCH["gather_prefix"] or i == 0
+    refill(2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # recorded, not run
+        graph_out = step()
+    assert LAST_LAUNCH["gather_prefix"] and LAST_LAUNCH["mask_kind"] == 3
+    for i in range(2, chunks):
+        refill(i)
+        graph.replay()
+        check(graph_out)
+    _assert_same_cache(ref, got)
 
 
 LLAMA3_8B_LAYER = dict(num_kv_heads=8, head_dim=128, num_groups=1, num_sinks=64, window=256, page_size=16)
