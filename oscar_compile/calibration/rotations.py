@@ -13,6 +13,11 @@ A method is a base rotation plus exact improvements, written ``base[+improvement
 * ``+scale``  query-aware scaling: in the eigenbasis of ``S_q`` (eigenvalues ``lambda_i``) with key
   variances ``sigma_i^2``, scale coordinate ``i`` by ``(lambda_i / sigma_i^2)^(1/4)`` before ``P H``;
   queries get the inverse, so ``q.k`` is unchanged. Needs the ``oscar`` eigenbasis.
+* ``+scaleR`` (e.g. ``+scale8``)  the same, with the scales' dynamic range bounded by ``R`` (max / min):
+  directions whose calibration queries are nearly silent (RoPE pairs that turn little within a
+  calibration sequence) get tiny scales, and the queries of a longer context that do reach them are
+  amplified by the inverse. Those eigenvectors are ill-conditioned too (the reduction order of the
+  statistics moves them).
 * ``+clip`` / ``-clip``  search (or not) a per-layer clip ratio for K and V on held-out tokens;
   ``oscar`` methods search by default, ``identity`` and ``hadamard`` do not.
 
@@ -40,6 +45,7 @@ class MethodSpec:
     value_mean: bool = False
     query_scaling: bool = False
     clip_search: bool = False
+    scale_range: float | None = None  # +scaleR: max / min of the query-aware scales
 
     @property
     def name(self) -> str:
@@ -51,7 +57,7 @@ class MethodSpec:
         elif self.value_mean:
             parts.append("vmean")
         if self.query_scaling:
-            parts.append("scale")
+            parts.append("scale" + (f"{self.scale_range:g}" if self.scale_range else ""))
         default_clip = self.base == "oscar"
         if self.clip_search != default_clip:
             parts.append("clip" if self.clip_search else "-clip")
@@ -74,10 +80,17 @@ def parse_method(method: str) -> MethodSpec:
             spec["value_mean"] = True
         elif m == "mean":
             spec["key_mean"] = spec["value_mean"] = True
-        elif m == "scale":
+        elif m.startswith("scale"):
             if base != "oscar":
                 raise ValueError(f"oscar: {method!r}: +scale needs the oscar eigenbasis")
             spec["query_scaling"] = True
+            if m != "scale":
+                try:
+                    spec["scale_range"] = float(m.removeprefix("scale"))
+                except ValueError:
+                    raise ValueError(f"oscar: {method!r}: +scaleR takes a number R > 1 (e.g. +scale8)") from None
+                if not spec["scale_range"] > 1:
+                    raise ValueError(f"oscar: {method!r}: +scaleR takes a number R > 1 (e.g. +scale8)")
         elif m == "clip":
             spec["clip_search"] = True
         elif m == "-clip":
@@ -131,6 +144,10 @@ def derive_transforms(stats: LayerStats, spec: MethodSpec) -> LayerTransforms:
                 cov = stats.key_second_moment(about=key_mean)  # what is stored is k - key_mean
                 sigma2 = torch.einsum("hdi,hde,hei->hi", u_k, cov, u_k)
                 s = (_regularized(lam) / _regularized(sigma2)) ** 0.25
+                if spec.scale_range:  # within [g / sqrt(R), g * sqrt(R)] of the geometric mean g
+                    g = s.log().mean(-1, keepdim=True).exp()
+                    half = spec.scale_range ** 0.5
+                    s = torch.minimum(torch.maximum(s, g / half), g * half)
                 s = s / s.mean(-1, keepdim=True)  # the scale of a row is irrelevant to INT2; keep it near 1
                 left = u_k * s[:, None, :]
             a_k = left @ ph

@@ -88,6 +88,30 @@ def test_oscar_rotations_orthogonal_and_better_than_hadamard_and_identity_on_pla
     assert errs["oscar+mean+scale"][0] < errs["oscar"][0] / 5, errs  # query-aware scaling: far smaller logit error
 
 
+def test_bounded_query_scaling_keeps_its_range_and_q_dot_k():
+    # The planted queries live in 4 of 64 directions (plus 5% noise): unbounded, the quiet 60 get scales ~14x smaller
+    # than the rest, and a query that reaches them later (a longer context turns RoPE pairs further) is amplified by
+    # the inverse. +scale8 keeps max / min within 8 (around the geometric mean); queries get the inverse either way.
+    obs = StatsObserver(skip_first=0)
+    for seed in range(4):
+        obs.record(0, *_planted(seed, 4), torch.arange(96))
+    spread = {}
+    for method in ("oscar+mean+scale", "oscar+mean+scale8"):
+        tr = derive_transforms(obs.layers[0], parse_method(method))
+        tr.validate(1, 64)
+        s = torch.linalg.svdvals(tr.key_transform[0].double())
+        spread[method] = float(s.max() / s.min())
+        q = torch.randn(5, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        k = torch.randn(7, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+        qt, kt = q @ tr.query_transform[0].double(), k @ tr.key_transform[0].double()
+        # exact but for the float32 storage of the transforms (~1e-7 relative, times their condition number)
+        torch.testing.assert_close(qt @ kt.T, q @ k.T, rtol=1e-4, atol=1e-4 * float((q @ k.T).abs().max()))
+    assert spread["oscar+mean+scale"] > 12 and spread["oscar+mean+scale8"] <= 8 * (1 + 1e-6), spread
+    assert parse_method("oscar+mean+scale8").name == "oscar+mean+scale8"
+    with pytest.raises(ValueError, match="R > 1"):
+        parse_method("oscar+scale0.5")
+
+
 def test_clip_search_picks_the_grid_minimum():
     obs = StatsObserver(skip_first=0)
     obs.record(0, *_planted(0, 4), torch.arange(96))
