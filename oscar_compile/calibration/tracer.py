@@ -104,6 +104,31 @@ def collect_statistics(
     return CalibrationStats(observer, fingerprint, info)
 
 
+# Past this span (max / min) of a layer's query-aware key scales, calibration warns: the smallest scales belong to
+# directions its queries barely reached, whose eigenvectors are ill-conditioned (Gemma 3 270M's full-attention
+# layers: 24-55x, and a different thread count moved their transforms by up to 2x; SmolLM2's layers: 5-15x).
+SCALE_SPAN_WARNING = 32.0
+
+
+def _warn_scale_spans(transforms, method: str) -> list[float]:
+    """Span of each layer's key scales (the singular values of its key transform, worst head); warns past
+    :data:`SCALE_SPAN_WARNING`."""
+    spans = []
+    for tr in transforms:
+        sv = torch.linalg.svdvals(tr.key_transform.double())
+        spans.append(round(float((sv.amax(-1) / sv.amin(-1).clamp_min(1e-30)).max()), 2))
+    wide = {i: s for i, s in enumerate(spans) if s > SCALE_SPAN_WARNING}
+    if wide:
+        import warnings
+
+        warnings.warn(f"oscar calibrate ({method}): the query-aware key scales span {wide} (layer: max/min) past "
+                      f"{SCALE_SPAN_WARNING:g}x: those layers' calibration queries barely reached some directions, whose "
+                      "transforms are then ill-conditioned and may not hold at longer contexts. Longer calibration "
+                      "sequences (oscar eval name@S, --calib-seq-len) or a bounded range (+scale8) are the remedies to "
+                      "measure; see the README's Gemma 3 note.", stacklevel=3)
+    return spans
+
+
 def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_size: int | None = None,
                      clip_grid=CLIP_GRID) -> Artifacts:
     """Transforms and clip ratios of ``method`` from collected statistics."""
@@ -118,8 +143,11 @@ def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_
                 raise ValueError("oscar calibrate: the clip search needs held-out batches (heldout_batches >= 1)")
             tr.key_clip, tr.value_clip, _ = search_clip(h.q, h.k, h.v, tr, group_size, obs.skip_first, clip_grid)
         transforms.append(tr)
+    info = dict(stats.info)
+    if spec.query_scaling:
+        info["key_scale_span"] = _warn_scale_spans(transforms, spec.name)
     return Artifacts(
-        method=spec.name, layers=transforms, fingerprint=stats.fingerprint, calibration=dict(stats.info),
+        method=spec.name, layers=transforms, fingerprint=stats.fingerprint, calibration=info,
         options={"group_size": group_size, "clip_grid": list(clip_grid) if spec.clip_search else None,
                  "method_spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__}},
     )
@@ -140,7 +168,9 @@ def calibrate(
 ) -> Artifacts:
     """Calibrate ``model`` on token ``batches`` (``[B, T]`` LongTensors) and return :class:`Artifacts`.
 
-    :func:`collect_statistics` then :func:`derive_artifacts`; see both. Deterministic.
+    :func:`collect_statistics` then :func:`derive_artifacts`; see both. Deterministic on one machine and thread
+    count; where a layer's key scales span widely (a warning says so) its transforms move with the floating-point
+    reduction order (the README's Gemma 3 note).
     """
     stats = collect_statistics(model, batches, heldout_batches=heldout_batches, skip_first=skip_first,
                                forward=forward, data_description=data_description, progress=progress)

@@ -55,12 +55,12 @@ def test_bit_reversal_permutation():
     assert sorted(bit_reversal_permutation(64).tolist()) == list(range(64))
 
 
-def _planted(seed, b):
-    """Queries in a rank-4 subspace; keys with two outlier channels and a large mean."""
+def _planted(seed, b, noise=0.05):
+    """Queries in a rank-4 subspace (plus ``noise``); keys with two outlier channels and a large mean."""
     gen = torch.Generator().manual_seed(seed)
     d = 64
     basis = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator().manual_seed(99)))[0][:, :4].T
-    q = torch.randn(b, 2, 96, 4, generator=gen) @ (basis * 3) + 0.05 * torch.randn(b, 2, 96, d, generator=gen)
+    q = torch.randn(b, 2, 96, 4, generator=gen) @ (basis * 3) + noise * torch.randn(b, 2, 96, d, generator=gen)
     chan = torch.ones(d)
     chan[[3, 17]] = 8.0
     k = torch.randn(b, 1, 96, d, generator=gen) * chan + 2.0
@@ -110,6 +110,26 @@ def test_bounded_query_scaling_keeps_its_range_and_q_dot_k():
     assert parse_method("oscar+mean+scale8").name == "oscar+mean+scale8"
     with pytest.raises(ValueError, match="R > 1"):
         parse_method("oscar+scale0.5")
+
+
+def test_wide_key_scale_spans_warn():
+    # Queries in 4 of 64 directions with 0.5% noise: the other 60 are nearly silent, their key scales tiny (the Gemma 3
+    # full-attention layers' failure): calibration warns naming the layer; the bounded range does not warn
+    from oscar_compile.calibration.tracer import SCALE_SPAN_WARNING, _warn_scale_spans
+
+    obs = StatsObserver(skip_first=0)
+    for seed in range(4):
+        obs.record(0, *_planted(seed, 4, noise=0.005), torch.arange(96))
+    tr = derive_transforms(obs.layers[0], parse_method("default"))
+    with pytest.warns(UserWarning, match=r"span \{0: "):
+        spans = _warn_scale_spans([tr], "oscar+mean+scale")
+    assert spans[0] > SCALE_SPAN_WARNING
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        spans = _warn_scale_spans([derive_transforms(obs.layers[0], parse_method("oscar+mean+scale8"))], "s8")
+    assert spans[0] <= 8.0001
 
 
 def test_clip_search_picks_the_grid_minimum():
