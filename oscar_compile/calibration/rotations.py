@@ -18,6 +18,11 @@ A method is a base rotation plus exact improvements, written ``base[+improvement
   calibration sequence) get tiny scales, and the queries of a longer context that do reach them are
   amplified by the inverse. Those eigenvectors are ill-conditioned too (the reduction order of the
   statistics moves them).
+* ``+gm`` / ``+gmR``  query-aware scaling without the eigenvectors of ``S_q``: keys get ``G^(1/2)`` with ``G`` the
+  matrix geometric mean of ``S_q`` and the inverse key covariance ``Sigma^-1`` (``G Sigma G = S_q``), so stored keys
+  and rotated queries have the same second moment ``M = G^(1/2) Sigma G^(1/2)``, whose eigenbasis then goes before
+  ``P H``. ``G`` is a continuous function of the statistics: where ``S_q``'s eigenvalues nearly coincide (any basis
+  of them is an eigenbasis) ``+scale``'s transforms jump, these do not. ``R`` bounds the scales' range as above.
 * ``+clip`` / ``-clip``  search (or not) a per-layer clip ratio for K and V on held-out tokens;
   ``oscar`` methods search by default, ``identity`` and ``hadamard`` do not.
 
@@ -45,7 +50,8 @@ class MethodSpec:
     value_mean: bool = False
     query_scaling: bool = False
     clip_search: bool = False
-    scale_range: float | None = None  # +scaleR: max / min of the query-aware scales
+    scale_range: float | None = None  # +scaleR / +gmR: max / min of the query-aware scales
+    scaling: str = "eig"  # "eig" (+scale: diagonal in S_q's eigenbasis) or "gm" (+gm: matrix geometric mean)
 
     @property
     def name(self) -> str:
@@ -57,7 +63,8 @@ class MethodSpec:
         elif self.value_mean:
             parts.append("vmean")
         if self.query_scaling:
-            parts.append("scale" + (f"{self.scale_range:g}" if self.scale_range else ""))
+            word = "gm" if self.scaling == "gm" else "scale"
+            parts.append(word + (f"{self.scale_range:g}" if self.scale_range else ""))
         default_clip = self.base == "oscar"
         if self.clip_search != default_clip:
             parts.append("clip" if self.clip_search else "-clip")
@@ -80,17 +87,19 @@ def parse_method(method: str) -> MethodSpec:
             spec["value_mean"] = True
         elif m == "mean":
             spec["key_mean"] = spec["value_mean"] = True
-        elif m.startswith("scale"):
+        elif m.startswith("scale") or m.startswith("gm"):
+            word = "scale" if m.startswith("scale") else "gm"
             if base != "oscar":
-                raise ValueError(f"oscar: {method!r}: +scale needs the oscar eigenbasis")
+                raise ValueError(f"oscar: {method!r}: +{word} needs the oscar eigenbasis")
             spec["query_scaling"] = True
-            if m != "scale":
+            spec["scaling"] = "eig" if word == "scale" else "gm"
+            if m != word:
                 try:
-                    spec["scale_range"] = float(m.removeprefix("scale"))
+                    spec["scale_range"] = float(m.removeprefix(word))
                 except ValueError:
-                    raise ValueError(f"oscar: {method!r}: +scaleR takes a number R > 1 (e.g. +scale8)") from None
+                    raise ValueError(f"oscar: {method!r}: +{word}R takes a number R > 1 (e.g. +{word}8)") from None
                 if not spec["scale_range"] > 1:
-                    raise ValueError(f"oscar: {method!r}: +scaleR takes a number R > 1 (e.g. +scale8)")
+                    raise ValueError(f"oscar: {method!r}: +{word}R takes a number R > 1 (e.g. +{word}8)")
         elif m == "clip":
             spec["clip_search"] = True
         elif m == "-clip":
@@ -124,6 +133,39 @@ def _regularized(x: torch.Tensor, rel: float = 1e-6) -> torch.Tensor:
     return x.clamp_min(0) + rel * x.clamp_min(0).mean(-1, keepdim=True).clamp_min(1e-30)
 
 
+def _sym_fn(m: torch.Tensor, fn) -> torch.Tensor:
+    """``fn`` applied to the eigenvalues of symmetric ``m [H, d, d]`` (float64)."""
+    vals, vecs = torch.linalg.eigh(0.5 * (m + m.transpose(-1, -2)))
+    return (vecs * fn(vals)[:, None, :]) @ vecs.transpose(-1, -2)
+
+
+def _regularized_matrix(m: torch.Tensor, rel: float = 1e-6) -> torch.Tensor:
+    """``m`` plus ``rel`` times its mean eigenvalue on the diagonal (positive definite, as :func:`_regularized`)."""
+    d = m.shape[-1]
+    mean = torch.diagonal(m, dim1=-2, dim2=-1).sum(-1).clamp_min(1e-30 * d) / d
+    return m + rel * mean[:, None, None] * torch.eye(d, dtype=m.dtype)
+
+
+def geometric_mean_scaling(s_q: torch.Tensor, cov: torch.Tensor, scale_range: float | None = None) -> torch.Tensor:
+    """``G^(1/2) U_M`` [H, d, d] (columns: directions, decreasing energy) for ``+gm``: ``G = S_q # Sigma^-1``, the
+    symmetric positive definite solution of ``G Sigma G = S_q``, and ``U_M`` the eigenbasis of the common second
+    moment ``M = G^(1/2) Sigma G^(1/2)`` of stored keys and rotated queries. Scaled so the singular values (the
+    eigenvalues of ``G^(1/2)``) have geometric mean 1, their range bounded by ``scale_range`` when given."""
+    s_q, cov = _regularized_matrix(s_q.double()), _regularized_matrix(cov.double())
+    c_half = _sym_fn(cov, torch.sqrt)
+    c_inv_half = _sym_fn(cov, torch.rsqrt)
+    g = c_inv_half @ _sym_fn(c_half @ s_q @ c_half, lambda x: x.clamp_min(0).sqrt()) @ c_inv_half
+    vals, vecs = torch.linalg.eigh(0.5 * (g + g.transpose(-1, -2)))
+    r = vals.clamp_min(1e-300).sqrt()  # eigenvalues of G^(1/2): the key scales
+    r = r / r.log().mean(-1, keepdim=True).exp()
+    if scale_range:
+        half = scale_range ** 0.5
+        r = r.clamp(1 / half, half)
+    g_half = (vecs * r[:, None, :]) @ vecs.transpose(-1, -2)
+    _, u_m = sorted_eigenbasis(g_half @ cov @ g_half)
+    return g_half @ u_m
+
+
 def derive_transforms(stats: LayerStats, spec: MethodSpec) -> LayerTransforms:
     """The layer's transforms for ``spec`` (clip ratios 1.0: they are searched separately)."""
     h, d = stats.num_kv_heads, stats.head_dim
@@ -140,7 +182,10 @@ def derive_transforms(stats: LayerStats, spec: MethodSpec) -> LayerTransforms:
             ph = spreading_matrix(d) @ had
             lam, u_k = sorted_eigenbasis(stats.query_second_moment)
             left = u_k
-            if spec.query_scaling:
+            if spec.query_scaling and spec.scaling == "gm":
+                left = geometric_mean_scaling(stats.query_second_moment, stats.key_second_moment(about=key_mean),
+                                              spec.scale_range)
+            elif spec.query_scaling:
                 cov = stats.key_second_moment(about=key_mean)  # what is stored is k - key_mean
                 sigma2 = torch.einsum("hdi,hde,hei->hi", u_k, cov, u_k)
                 s = (_regularized(lam) / _regularized(sigma2)) ** 0.25

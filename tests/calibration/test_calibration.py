@@ -132,6 +132,49 @@ def test_wide_key_scale_spans_warn():
     assert spans[0] <= 8.0001
 
 
+def _degenerate(jitter=0.0):
+    """Queries +-3 x each of 4 orthonormal directions in turn (their second moment exactly isotropic there, so any basis
+    of those 4 is an eigenbasis; ``jitter`` adds that much noise), keys of very unequal variances in that subspace."""
+    d, gen = 64, torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator().manual_seed(99)))[0]
+    signs = torch.tensor([3.0, -3.0]).repeat_interleave(4).repeat(12)  # 96 tokens
+    q = (signs[:, None] * basis[:, torch.arange(96) % 4].T).expand(4, 2, 96, d).double()
+    q = q + jitter * torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    std = torch.cat([torch.tensor([3.0, 0.3, 1.5, 0.6]), torch.linspace(0.3, 3, d - 4)])
+    k = (torch.randn(4, 1, 96, d, generator=gen) * std) @ basis.T
+    v = torch.randn(4, 1, 96, d, generator=gen)
+    return q, k.double(), v.double()
+
+
+def test_geometric_mean_scaling_is_exact_and_well_posed():
+    # +gm keeps q.k exact and cuts the logit error like +scale on the planted structure; and where S_q's eigenvalues
+    # coincide, a perturbation of 1e-6 of the statistics moves +scale's key Gram matrix A A^T by O(1) (its
+    # eigenbasis is arbitrary there) but +gm's by next to nothing (a continuous function of the statistics)
+    obs = StatsObserver(skip_first=0)
+    for seed in range(4):
+        obs.record(0, *_planted(seed, 4), torch.arange(96))
+    q, k, v = _planted(100, 2)
+    errs = {}
+    for method in ("oscar+mean", "oscar+mean+scale", "oscar+mean+gm", "oscar+mean+gm8"):
+        tr = derive_transforms(obs.layers[0], parse_method(method))
+        tr.validate(1, 64)
+        errs[method] = key_error(q, k, tr, 1.0)
+    assert errs["oscar+mean+gm"] < errs["oscar+mean"] / 5 and errs["oscar+mean+gm8"] < errs["oscar+mean"] / 2, errs
+    assert torch.linalg.svdvals(derive_transforms(obs.layers[0], parse_method("oscar+mean+gm8")).key_transform[0]
+                                .double()).aminmax() is not None
+
+    grams = {}
+    for label, jitter in (("plain", 0.0), ("perturbed", 1e-6)):  # the moments move by ~1e-6 relative
+        obs = StatsObserver(skip_first=0)
+        obs.record(0, *_degenerate(jitter), torch.arange(96))
+        for method in ("oscar+mean+scale", "oscar+mean+gm"):
+            a = derive_transforms(obs.layers[0], parse_method(method)).key_transform[0].double()
+            grams[label, method] = a @ a.T
+    moved = {m: float((grams["plain", m] - grams["perturbed", m]).abs().max() / grams["plain", m].abs().max())
+             for m in ("oscar+mean+scale", "oscar+mean+gm")}
+    assert moved["oscar+mean+gm"] < 1e-3 and moved["oscar+mean+scale"] > 0.1, moved
+
+
 def test_clip_search_picks_the_grid_minimum():
     obs = StatsObserver(skip_first=0)
     obs.record(0, *_planted(0, 4), torch.arange(96))
