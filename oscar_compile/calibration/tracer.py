@@ -104,28 +104,14 @@ def collect_statistics(
     return CalibrationStats(observer, fingerprint, info)
 
 
-# Past this span (max / min) of a layer's query-aware key scales, calibration warns: the smallest scales belong to
-# directions its queries barely reached, whose eigenvectors are ill-conditioned (Gemma 3 270M: 24-55x on its full-
-# attention layers, 35x on sliding layer 15; a different thread count moved its transforms by up to 2x. SmolLM2: 5-15x).
-SCALE_SPAN_WARNING = 32.0
-
-
-def _warn_scale_spans(transforms, method: str) -> list[float]:
-    """Span of each layer's key scales (the singular values of its key transform, worst head); warns past
-    :data:`SCALE_SPAN_WARNING`."""
+def key_scale_spans(transforms) -> list[float]:
+    """Span (max / min) of each layer's key scales: the singular values of its key transform, worst head. Recorded in
+    the artifact (``calibration.key_scale_span``): a wide span means directions the calibration queries barely
+    reached, which a longer context may reach (Gemma 3 270M: 24-55x on its full-attention layers; SmolLM2: 5-15x)."""
     spans = []
     for tr in transforms:
         sv = torch.linalg.svdvals(tr.key_transform.double())
         spans.append(round(float((sv.amax(-1) / sv.amin(-1).clamp_min(1e-30)).max()), 2))
-    wide = {i: s for i, s in enumerate(spans) if s > SCALE_SPAN_WARNING}
-    if wide:
-        import warnings
-
-        warnings.warn(f"oscar calibrate ({method}): the query-aware key scales span {wide} (layer: max/min) past "
-                      f"{SCALE_SPAN_WARNING:g}x: those layers' calibration queries barely reached some directions, whose "
-                      "transforms are then ill-conditioned and may not hold at longer contexts. Longer calibration "
-                      "sequences (oscar eval name@S, --calib-seq-len) or a bounded range (+scale8) are the remedies to "
-                      "measure; see the README's Gemma 3 note.", stacklevel=3)
     return spans
 
 
@@ -145,7 +131,7 @@ def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_
         transforms.append(tr)
     info = dict(stats.info)
     if spec.query_scaling:
-        info["key_scale_span"] = _warn_scale_spans(transforms, spec.name)
+        info["key_scale_span"] = key_scale_spans(transforms)
     return Artifacts(
         method=spec.name, layers=transforms, fingerprint=stats.fingerprint, calibration=info,
         options={"group_size": group_size, "clip_grid": list(clip_grid) if spec.clip_search else None,
@@ -169,8 +155,8 @@ def calibrate(
     """Calibrate ``model`` on token ``batches`` (``[B, T]`` LongTensors) and return :class:`Artifacts`.
 
     :func:`collect_statistics` then :func:`derive_artifacts`; see both. Deterministic on one machine and thread
-    count; where a layer's key scales span widely (a warning says so) its transforms move with the floating-point
-    reduction order (the README's Gemma 3 note).
+    count; another reduction order can pick another basis inside groups of nearly equal query eigenvalues (same
+    Gram matrices, an orthogonal factor apart), which moves the result (the README's Gemma 3 note).
     """
     stats = collect_statistics(model, batches, heldout_batches=heldout_batches, skip_first=skip_first,
                                forward=forward, data_description=data_description, progress=progress)
