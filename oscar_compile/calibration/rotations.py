@@ -123,10 +123,52 @@ def spreading_matrix(d: int) -> torch.Tensor:
 
 
 def sorted_eigenbasis(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenvalues (decreasing) and eigenvectors (columns) of symmetric ``m [H, d, d]``, float64."""
+    """Eigenvalues (decreasing) and eigenvectors (columns) of symmetric ``m [H, d, d]``, float64.
+
+    Each eigenvector's sign is fixed (its largest-magnitude entry's sign times :func:`_fixed_signs`): ``eigh`` returns
+    ``u`` or ``-u`` as its rounding goes, and the sign decides how ``P H`` mixes that coordinate with the others, so
+    without this the same statistics gave different artifacts on another machine or thread count (Gemma 3 270M:
+    stored keys 150% apart, same Gram matrix; README)."""
     m = 0.5 * (m + m.transpose(-1, -2))
     vals, vecs = torch.linalg.eigh(m.double())
+    vecs = torch.stack([_canonical_null_space(v, u) for v, u in zip(vals, vecs)])
+    peak = vecs.gather(-2, vecs.abs().argmax(-2, keepdim=True))  # [H, 1, d]: each column's largest entry
+    # then a fixed +-1 pattern: signs that agree would let the Hadamard add a shared component (a key mean) up into one
+    # coordinate, an outlier; incoherent ones spread it (a randomized Hadamard, with a seed that never changes)
+    vecs = vecs * torch.where(peak < 0, -1.0, 1.0) * _fixed_signs(vecs.shape[-1])
     return vals.flip(-1), vecs.flip(-1)
+
+
+def _fixed_signs(d: int) -> torch.Tensor:
+    """A fixed pseudo-random +-1 vector of length ``d`` (the same on every machine and torch version)."""
+    state, out = 0x9E3779B9, []
+    for _ in range(d):  # xorshift32: no dependence on torch's generator implementation
+        state ^= (state << 13) & 0xFFFFFFFF
+        state ^= state >> 17
+        state ^= (state << 5) & 0xFFFFFFFF
+        out.append(1.0 if state & 1 else -1.0)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def _canonical_null_space(vals: torch.Tensor, vecs: torch.Tensor, rel: float = 1e-12) -> torch.Tensor:
+    """``vecs`` (ascending ``vals``) with the basis of the numerically-zero eigenvalues (below ``rel`` of the largest)
+    made canonical: any basis of that subspace is an eigenbasis and ``eigh`` picks one by rounding. Gemma 3 270M's
+    queries and keys have whole RoPE pairs of channels that are exactly zero (4-14 directions on 4 layers). The basis
+    is the Gram-Schmidt of the subspace's projector columns, channels taken by decreasing weight in it."""
+    n = int((vals <= rel * vals.abs().max()).sum())
+    if n < 2:
+        return vecs
+    null = vecs[:, :n]
+    proj = null @ null.T
+    weight = torch.diagonal(proj)
+    order = sorted(range(len(weight)), key=lambda i: (-round(float(weight[i]), 9), i))[:n]
+    q, r = torch.linalg.qr(proj[:, order])
+    q = q * torch.where(torch.diagonal(r) < 0, -1.0, 1.0)
+    if torch.linalg.matrix_rank(q.T @ null) < n:  # dependent channel columns (no n channels span it): keep eigh's
+        return vecs
+    out = vecs.clone()
+    out[:, :n] = q
+    return out
 
 
 def _regularized(x: torch.Tensor, rel: float = 1e-6) -> torch.Tensor:

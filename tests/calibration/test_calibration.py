@@ -168,6 +168,24 @@ def test_geometric_mean_scaling_is_exact_and_well_posed():
     assert moved["oscar+mean+gm"] < 1e-3 and moved["oscar+mean+scale"] > 0.1, moved
 
 
+def test_eigenbasis_is_canonical_under_rounding():
+    # eigh returns u or -u, and any basis of a zero eigenvalue's subspace, as rounding goes: the artifact then moved
+    # with the thread count (Gemma 3 270M: stored keys 150% apart). Signs and the null-space basis are now fixed.
+    from oscar_compile.calibration.rotations import sorted_eigenbasis
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(200, 16, generator=gen, dtype=torch.float64)
+    x[:, [2, 9, 11]] = 0  # channels that are exactly zero (Gemma 3's RoPE pairs of zero query channels)
+    m = (x.T @ x)[None]
+    noise = 1e-13 * torch.randn(16, 16, generator=gen, dtype=torch.float64)
+    m2 = m + (noise + noise.T)[None]
+    (la, ua), (lb, ub) = sorted_eigenbasis(m), sorted_eigenbasis(m2)
+    torch.testing.assert_close(ua, ub, rtol=0, atol=1e-9)
+    torch.testing.assert_close(ua @ torch.diag_embed(la) @ ua.transpose(-1, -2), m, rtol=1e-10, atol=1e-8)
+    null = ua[0, :, -3:].abs()  # the zero eigenvalues' basis: the zero channels themselves
+    assert torch.allclose(null[[2, 9, 11]].sum(0), torch.ones(3, dtype=torch.float64)) and null.sum() - 3 < 1e-9
+
+
 def test_clip_search_picks_the_grid_minimum():
     obs = StatsObserver(skip_first=0)
     obs.record(0, *_planted(0, 4), torch.arange(96))
