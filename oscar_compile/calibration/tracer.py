@@ -154,9 +154,9 @@ def calibrate(
 ) -> Artifacts:
     """Calibrate ``model`` on token ``batches`` (``[B, T]`` LongTensors) and return :class:`Artifacts`.
 
-    :func:`collect_statistics` then :func:`derive_artifacts`; see both. Deterministic on one machine and thread
-    count; another reduction order can pick another basis inside groups of nearly equal query eigenvalues (same
-    Gram matrices, an orthogonal factor apart), which moves the result (the README's Gemma 3 note).
+    :func:`collect_statistics` then :func:`derive_artifacts`; see both. Deterministic, and reproducible across
+    machines and thread counts to rounding (eigenvector signs and zero-eigenvalue bases are fixed, see
+    :func:`~.rotations.sorted_eigenbasis`); a clip ratio whose held-out errors tie can still differ.
     """
     stats = collect_statistics(model, batches, heldout_batches=heldout_batches, skip_first=skip_first,
                                forward=forward, data_description=data_description, progress=progress)
