@@ -104,6 +104,10 @@ def collect_statistics(
     return CalibrationStats(observer, fingerprint, info)
 
 
+# Sign patterns of the eigenvectors tried per layer (keys and values each), the least held-out error kept
+SIGN_TRIALS = 4
+
+
 def key_scale_spans(transforms) -> list[float]:
     """Span (max / min) of each layer's key scales: the singular values of its key transform, worst head. Recorded in
     the artifact (``calibration.key_scale_span``): a wide span means directions the calibration queries barely
@@ -121,15 +125,30 @@ def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_
     spec = parse_method(method)
     obs = stats.observer
     transforms = []
+    seeds = []
     for layer in range(len(obs.layers)):
-        tr = derive_transforms(obs.layers[layer], spec)
-        if spec.clip_search:
-            h = obs.heldout.get(layer)
-            if h is None or not h.q:
-                raise ValueError("oscar calibrate: the clip search needs held-out batches (heldout_batches >= 1)")
-            tr.key_clip, tr.value_clip, _ = search_clip(h.q, h.k, h.v, tr, group_size, obs.skip_first, clip_grid)
+        if not spec.clip_search:
+            transforms.append(derive_transforms(obs.layers[layer], spec))
+            continue
+        h = obs.heldout.get(layer)
+        if h is None or not h.q:
+            raise ValueError("oscar calibrate: the clip search needs held-out batches (heldout_batches >= 1)")
+        # the eigenvectors' sign pattern and the clip ratios, keys and values each, by held-out error
+        best_k = best_v = None
+        for seed in range(SIGN_TRIALS if spec.base == "oscar" else 1):
+            tr = derive_transforms(obs.layers[layer], spec, seed, seed)
+            kc, vc, err = search_clip(h.q, h.k, h.v, tr, group_size, obs.skip_first, clip_grid)
+            if best_k is None or err["key_error"][kc] < best_k[0]:
+                best_k = (err["key_error"][kc], seed, kc)
+            if best_v is None or err["value_error"][vc] < best_v[0]:
+                best_v = (err["value_error"][vc], seed, vc)
+        tr = derive_transforms(obs.layers[layer], spec, best_k[1], best_v[1])
+        tr.key_clip, tr.value_clip = best_k[2], best_v[2]
+        seeds.append([best_k[1], best_v[1]])
         transforms.append(tr)
     info = dict(stats.info)
+    if seeds:
+        info["sign_seeds"] = seeds  # [key, value] sign pattern of each layer (rotations._fixed_signs)
     if spec.query_scaling:
         info["key_scale_span"] = key_scale_spans(transforms)
     return Artifacts(
