@@ -15,9 +15,8 @@ A method is a base rotation plus exact improvements, written ``base[+improvement
   queries get the inverse, so ``q.k`` is unchanged. Needs the ``oscar`` eigenbasis.
 * ``+scaleR`` (e.g. ``+scale8``)  the same, with the scales' dynamic range bounded by ``R`` (max / min):
   directions whose calibration queries are nearly silent (RoPE pairs that turn little within a
-  calibration sequence) get tiny scales, and the queries of a longer context that do reach them are
-  amplified by the inverse. Those eigenvectors are ill-conditioned too (the reduction order of the
-  statistics moves them).
+  calibration sequence) get tiny scales, and the queries of a longer context that do reach them would be
+  amplified by the inverse (a hypothesis: not measured to matter yet).
 * ``+gm`` / ``+gmR``  query-aware scaling without the eigenvectors of ``S_q``: keys get ``G^(1/2)`` with ``G`` the
   matrix geometric mean of ``S_q`` and the inverse key covariance ``Sigma^-1`` (``G Sigma G = S_q``), so stored keys
   and rotated queries have the same second moment ``M = G^(1/2) Sigma G^(1/2)``, whose eigenbasis then goes before
@@ -177,6 +176,15 @@ def _regularized(x: torch.Tensor, rel: float = 1e-6) -> torch.Tensor:
     return x.clamp_min(0) + rel * x.clamp_min(0).mean(-1, keepdim=True).clamp_min(1e-30)
 
 
+def _bounded(scales: torch.Tensor, scale_range: float | None) -> torch.Tensor:
+    """``scales [H, d]`` over their geometric mean, within ``[1 / sqrt(R), sqrt(R)]`` when ``R`` is given."""
+    scales = scales / scales.log().mean(-1, keepdim=True).exp()
+    if scale_range:
+        half = scale_range ** 0.5
+        scales = scales.clamp(1 / half, half)
+    return scales
+
+
 def _sym_fn(m: torch.Tensor, fn) -> torch.Tensor:
     """``fn`` applied to the eigenvalues of symmetric ``m [H, d, d]`` (float64)."""
     vals, vecs = torch.linalg.eigh(0.5 * (m + m.transpose(-1, -2)))
@@ -200,11 +208,7 @@ def geometric_mean_scaling(s_q: torch.Tensor, cov: torch.Tensor, scale_range: fl
     c_inv_half = _sym_fn(cov, torch.rsqrt)
     g = c_inv_half @ _sym_fn(c_half @ s_q @ c_half, lambda x: x.clamp_min(0).sqrt()) @ c_inv_half
     vals, vecs = torch.linalg.eigh(0.5 * (g + g.transpose(-1, -2)))
-    r = vals.clamp_min(1e-300).sqrt()  # eigenvalues of G^(1/2): the key scales
-    r = r / r.log().mean(-1, keepdim=True).exp()
-    if scale_range:
-        half = scale_range ** 0.5
-        r = r.clamp(1 / half, half)
+    r = _bounded(vals.clamp_min(1e-300).sqrt(), scale_range)  # eigenvalues of G^(1/2): the key scales
     g_half = (vecs * r[:, None, :]) @ vecs.transpose(-1, -2)
     _, u_m = sorted_eigenbasis(g_half @ cov @ g_half)
     return g_half @ u_m
@@ -234,10 +238,8 @@ def derive_transforms(stats: LayerStats, spec: MethodSpec, key_seed: int = 0, va
                 cov = stats.key_second_moment(about=key_mean)  # what is stored is k - key_mean
                 sigma2 = torch.einsum("hdi,hde,hei->hi", u_k, cov, u_k)
                 s = (_regularized(lam) / _regularized(sigma2)) ** 0.25
-                if spec.scale_range:  # within [g / sqrt(R), g * sqrt(R)] of the geometric mean g
-                    g = s.log().mean(-1, keepdim=True).exp()
-                    half = spec.scale_range ** 0.5
-                    s = torch.minimum(torch.maximum(s, g / half), g * half)
+                if spec.scale_range:
+                    s = _bounded(s, spec.scale_range)
                 s = s / s.mean(-1, keepdim=True)  # the scale of a row is irrelevant to INT2; keep it near 1
                 left = u_k * s[:, None, :]
             a_k = left @ ph

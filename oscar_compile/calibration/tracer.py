@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -134,16 +135,17 @@ def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_
         if h is None or not h.q:
             raise ValueError("oscar calibrate: the clip search needs held-out batches (heldout_batches >= 1)")
         # the eigenvectors' sign pattern and the clip ratios, keys and values each, by held-out error
-        best_k = best_v = None
+        best_k = best_v = None  # (held-out error, seed, clip ratio, transforms)
         for seed in range(SIGN_TRIALS if spec.base == "oscar" else 1):
             tr = derive_transforms(obs.layers[layer], spec, seed, seed)
             kc, vc, err = search_clip(h.q, h.k, h.v, tr, group_size, obs.skip_first, clip_grid)
             if best_k is None or err["key_error"][kc] < best_k[0]:
-                best_k = (err["key_error"][kc], seed, kc)
+                best_k = (err["key_error"][kc], seed, kc, tr)
             if best_v is None or err["value_error"][vc] < best_v[0]:
-                best_v = (err["value_error"][vc], seed, vc)
-        tr = derive_transforms(obs.layers[layer], spec, best_k[1], best_v[1])
-        tr.key_clip, tr.value_clip = best_k[2], best_v[2]
+                best_v = (err["value_error"][vc], seed, vc, tr)
+        # keys (and queries) of the best key trial, values (and outputs) of the best value trial: they are independent
+        tr = dataclasses.replace(best_k[3], value_transform=best_v[3].value_transform,
+                                 output_transform=best_v[3].output_transform, key_clip=best_k[2], value_clip=best_v[2])
         seeds.append([best_k[1], best_v[1]])
         transforms.append(tr)
     info = dict(stats.info)

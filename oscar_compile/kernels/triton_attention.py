@@ -544,23 +544,16 @@ def _prefill_kernel(qq_ptr, pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, cend_ptr, kch_
     pid_bh = tl.program_id(0)
     b, h, r, row_ok, row_t, row_hq, row_pos, length, c0, c_end = _row_block(
         pid_bh, tl.program_id(1), pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, cend_ptr, M_TOTAL, H, G, BLOCK_M, HAS_CHUNK)
-    if TILES == 0:
+    run = True
+    if TILES != 0:
+        flags = tl.load(flag_ptr + b * sf_b + row_hq * sf_h + row_t * sf_t, mask=row_ok & (row_pos >= 0), other=1)
+        # TILES 2 takes the blocks where some row is not one interval (their mask read key by key), 1 the others
+        run = (tl.min(flags, 0) == 0) == (TILES == 2)
+    if run:
         _prefill_rows(qq_ptr, pid_bh, b, h, r, row_ok, row_t, row_hq, row_pos, length, c0, c_end, kch_ptr, vch_ptr,
                       sch_b, sch_t, sch_h, kp_ptr, vp_ptr, sp2_b, sp2_t, sp2_h, mask_ptr, smk_b, smk_h, smk_t, smk_j,
                       mask_len, part_m_ptr, part_l_ptr, part_o_ptr, M_TOTAL, D, BLOCK_M, BLOCK_N, IS_CAUSAL,
                       MASK_KIND, HAS_CHUNK, CDT, MASK_I32)
-    else:
-        flags = tl.load(flag_ptr + b * sf_b + row_hq * sf_h + row_t * sf_t, mask=row_ok & (row_pos >= 0), other=1)
-        lowest = tl.min(flags, 0)
-        if TILES == 2:
-            run = lowest == 0  # some row of the block is not one interval: read its mask key by key
-        else:
-            run = lowest != 0
-        if run:
-            _prefill_rows(qq_ptr, pid_bh, b, h, r, row_ok, row_t, row_hq, row_pos, length, c0, c_end, kch_ptr,
-                          vch_ptr, sch_b, sch_t, sch_h, kp_ptr, vp_ptr, sp2_b, sp2_t, sp2_h, mask_ptr, smk_b, smk_h,
-                          smk_t, smk_j, mask_len, part_m_ptr, part_l_ptr, part_o_ptr, M_TOTAL, D, BLOCK_M, BLOCK_N,
-                          IS_CAUSAL, MASK_KIND, HAS_CHUNK, CDT, MASK_I32)
 
 
 @triton.jit
@@ -1193,7 +1186,7 @@ def _launch_prefill_tile(plan, q, pos, lens, c0, c_end, kch, vch, prefix, mask, 
         flags = mask[..., 2]
         launches = [(mask, 3, 1), (key_mask, 1, 2)]
     else:
-        flags, launches = q, [(mask, mask_kind, 0)]
+        flags, launches = q, [(mask, mask_kind, 0)]  # flags unread (TILES 0): any tensor with 3 strides
     for m, kind, tiles in launches:
         smk = m.stride() if m is not None else (0, 0, 0, 0)
         # a mask's offsets within one batch row (heads x queries x keys) in int32 when they fit
