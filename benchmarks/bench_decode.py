@@ -245,7 +245,7 @@ def bench_store(device):
     from oscar_compile.kernels.triton_store import store_triton
 
     rows = []
-    for b in (1, 32, 64):
+    for b in (1, 32, 64, 93, 319):  # 93 and 319: the largest batches of a 60 GB budget at 32K and 8K
         cache = int2_cache(b, 4096, device)
         tr = cache.transforms[0]
         k = torch.randn(b, HKV, 1, D, device=device, dtype=torch.bfloat16)

@@ -188,7 +188,24 @@ def _with_kv(r: Runner, row: dict, batch: int, max_len: int) -> dict:
     return row
 
 
-def run_budget(r: Runner, context: int, new: int, budget_gb: float, batch: int | None = None) -> dict:
+def kernel_breakdown(run, device, steps: int, top: int = 12) -> list:
+    """GPU time a decode step spends in each kernel (us, summed over a step's launches), largest first:
+    ``run()`` replays ``steps`` steps under the profiler (CUPTI reports the kernels inside a CUDA graph)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        run()
+        _sync(device)
+    rows = [(e.key, (e.device_time_total if cuda else e.self_cpu_time_total) / steps, e.count / steps)
+            for e in prof.key_averages()]
+    rows = [x for x in rows if x[1] > 0]
+    rows.sort(key=lambda x: -x[1])
+    return [dict(kernel=k[:80], us_per_step=round(us, 1), launches_per_step=round(n, 1)) for k, us, n in rows[:top]]
+
+
+def run_budget(r: Runner, context: int, new: int, budget_gb: float, batch: int | None = None,
+               profile: bool = False) -> dict:
     dev = r.device
     max_len = context + new + 1
     per_seq = kv_bytes_per_sequence(r.config, r.a, max_len)
@@ -211,6 +228,9 @@ def run_budget(r: Runner, context: int, new: int, budget_gb: float, batch: int |
     row = dict(mode="budget", config=r.config, budget_gb=budget_gb, context=context, batch=batch, new_tokens=new,
                decode_tokens_per_s=batch * new / dt, decode_step_ms=1e3 * dt / new, peak_gb=_peak_gb(dev),
                warmup_s=warm)
+    if profile:
+        with torch.no_grad():
+            row["kernels"] = kernel_breakdown(run, dev, new)
     return _with_kv(r, row, batch, max_len)
 
 
@@ -223,6 +243,8 @@ def main():
     ap.add_argument("--stub-shapes", default="", help="e2e shapes whose dense caches are stubs (too large to allocate)")
     ap.add_argument("--contexts", default="8192,32768", help="budget: contexts")
     ap.add_argument("--budget-gb", type=float, default=60.0)
+    ap.add_argument("--batch", type=int, default=None, help="budget: this batch instead of the largest that fits")
+    ap.add_argument("--profile", action="store_true", help="budget: GPU time per kernel of a decode step")
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -236,7 +258,8 @@ def main():
             jobs.append((spec, lambda b=b, p=p, stub=spec in stubs: run_e2e(r, b, p, args.new, args.chunk, stub)))
     else:
         for ctx in map(int, args.contexts.split(",")):
-            jobs.append((f"context {ctx}", lambda ctx=ctx: run_budget(r, ctx, args.new, args.budget_gb)))
+            jobs.append((f"context {ctx}", lambda ctx=ctx: run_budget(r, ctx, args.new, args.budget_gb, args.batch,
+                                                                           args.profile)))
     for what, job in jobs:
         try:
             row = job()

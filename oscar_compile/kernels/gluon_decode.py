@@ -160,13 +160,14 @@ def _page_decode_kernel(
     part_m_ptr, part_l_ptr, part_o_ptr, keys_per_split, S, W, NS,
     H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, PS: gl.constexpr, NW: gl.constexpr, NT: gl.constexpr,
     HAS_CHUNK: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, SUBNORMAL: gl.constexpr,
-    WIDE: gl.constexpr, STAGES: gl.constexpr,
+    WIDE: gl.constexpr, STAGES: gl.constexpr, MASK_HEADS: gl.constexpr = True,
 ):
     """One split of one (row, KV head): keys ``[S + split * keys_per_split, ...)`` of the page region.
 
     ``kc_ptr``/``vc_ptr``: the code pools as int32 words (fragment order); ``km_ptr``/``vm_ptr``: the
     metadata as int32 (scale | min << 16); strides in those units. ``qq``: the rotated, scaled queries
-    ``[B H G, D]`` fp16 (row ``pid_bh G + n``).
+    ``[B H G, D]`` fp16 (row ``pid_bh G + n``). A bool mask (MASK_KIND 1) is read a key and head, or a key
+    where every head shares its row (``MASK_HEADS`` off: head stride 0).
     """
     gl.static_assert(D == 64 or D == 128 or D == 256)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
@@ -272,6 +273,10 @@ def _page_decode_kernel(
             tpage_c = tpage_cn
         key = j0 + key_in_block
         kok = (key < hi) & (key <= row_pos)
+        if MASK_KIND == 1 and not MASK_HEADS:  # one mask row for every head (a model's usual mask): a load a key
+            kin = key < mask_len
+            mv = gl.load(mask_ptr + b * smk_b + gl.where(kin, key, 0) * smk_j, mask=kok & kin, other=0)
+            kok = kok & kin & (mv != 0)
         ksc, kmn = _meta_pair(kmeta)
         vsc, vmn = _meta_pair(vmeta)
         if SUBNORMAL:
@@ -281,7 +286,7 @@ def _page_decode_kernel(
         s = mma_v2(k_op, q_op, gl.zeros([NW, NT * 16, 8], gl.float32, MMA))
         s = s * gl.expand_dims(ksc, 2) + gl.expand_dims(kmn, 2) * gl.expand_dims(qsum, 1)
         vis = gl.expand_dims(kok, 2)
-        if MASK_KIND == 1:
+        if MASK_KIND == 1 and MASK_HEADS:
             key3 = gl.expand_dims(key, 2)
             in_mask = key3 < mask_len
             mptr = mask_ptr + b * smk_b + (h * G + gl.expand_dims(gl.expand_dims(heads, 0), 1)) * smk_h \
@@ -353,5 +358,5 @@ def launch_pages(grid, qq, pos, lens, c0, kw, km, vw, vm, block_table, mask, mas
         part_m, part_l, part_o, keys_per_split, S, W, NS,
         H=H, G=G, D=D, PS=PS, NW=num_warps, NT=tiles, HAS_CHUNK=has_chunk, MASK_KIND=mask_kind,
         IS_CAUSAL=bool(is_causal), SUBNORMAL=bool(subnormal), WIDE=max(kw.numel(), km.numel()) >= 2**31,
-        STAGES=stages, num_warps=num_warps,
+        STAGES=stages, MASK_HEADS=mask_kind == 1 and mask_strides[1] != 0, num_warps=num_warps,
     )

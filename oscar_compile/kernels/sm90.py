@@ -127,7 +127,7 @@ def compile_store(d=128, ng=1, clip=True, frag=True):
 
 
 def compile_gluon_decode(d=128, g=4, mask_kind=1, causal=True, num_warps=None, tiles=None, subnormal=True,
-                         stages=None, wide=False):
+                         stages=None, wide=False, mask_heads=True):
     """The Gluon decode kernel of the page region (:mod:`.gluon_decode`) for sm_90."""
     from . import triton_attention as ta
     from .gluon_decode import _page_decode_kernel
@@ -135,7 +135,7 @@ def compile_gluon_decode(d=128, g=4, mask_kind=1, causal=True, num_warps=None, t
     cfg = ta.GLUON or ta.GLUON_WIDE
     num_warps, tiles, stages = num_warps or cfg.warps, tiles or cfg.tiles, stages or cfg.stages
     const = dict(H=8, G=g, D=d, PS=16, NW=num_warps, NT=tiles, HAS_CHUNK=True, MASK_KIND=mask_kind, IS_CAUSAL=causal,
-                 SUBNORMAL=subnormal, WIDE=wide, STAGES=stages)
+                 SUBNORMAL=subnormal, WIDE=wide, STAGES=stages, MASK_HEADS=mask_heads)
     pointers = dict(ATTENTION_POINTERS, km_ptr="*i32", vm_ptr="*i32", mask_ptr="*u8")  # metadata as (scale|min) words
     return compile_sm90(_page_decode_kernel, const, pointers, num_warps, divisible={"sc_p", "sc_s", "sm_p", "sbt_b"})
 
@@ -159,6 +159,7 @@ def launch_variants(d: int) -> dict:
         f"gluon decode d={d}": lambda: compile_gluon_decode(d=d),
         **({"gluon decode d=128, no mask, G=8": lambda: compile_gluon_decode(d=128, g=8, mask_kind=0, causal=False),
             "gluon decode d=128, 2 tiles": lambda: compile_gluon_decode(d=128, tiles=2),
+            "gluon decode d=128, one mask row for all heads": lambda: compile_gluon_decode(d=128, mask_heads=False),
             "gluon decode d=128, 4 warps (narrow)": lambda: compile_gluon_decode(d=128, num_warps=4, stages=1),
             "gluon decode d=128, int64 page offsets": lambda: compile_gluon_decode(d=128, wide=True)}
            if d == 128 else {}),

@@ -348,7 +348,7 @@ def _attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_CHUNK: tl.constexpr, DT: tl.constexpr, KC: tl.constexpr, ALIGNED: tl.constexpr, ABLATE: tl.constexpr,
     USE_ASM: tl.constexpr, REGION: tl.constexpr, FRAG: tl.constexpr, DENSE_CHUNK: tl.constexpr = False,
-    CDT: tl.constexpr = tl.float16,
+    CDT: tl.constexpr = tl.float16, SKIP_EMPTY: tl.constexpr = True,
 ):
     """One split of one row block: REGION 0 = INT2 pages (splits ``0 .. NSPLIT-1``), 1 = BF16 keys
     (splits ``NSPLIT ..``). Two launches, so each region's code gets registers of its own.
@@ -433,8 +433,12 @@ def _attn_kernel(
             vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
                                     mask_len, IS_CAUSAL, MASK_KIND)
             vis = vis & (row_pos >= 0)[:, None]  # padding rows (their output is zero)
-            # A block no row sees (the upper triangle of a masked prefill, padding) costs no loads or dots.
-            if tl.max(tl.max(vis.to(tl.int32), 1), 0) > 0:
+            # A block no row sees (the upper triangle of a masked prefill, padding) costs no loads or dots. A decode
+            # step sees every block (SKIP_EMPTY off): without the branch the loads can be pipelined across blocks.
+            run = True
+            if SKIP_EMPTY:
+                run = tl.max(tl.max(vis.to(tl.int32), 1), 0) > 0
+            if run:
                 in_sink = key_ok & (j < S)
                 in_chunk = key_ok & ~in_sink & (j >= c0) & (j < c_end)
                 in_ring = key_ok & ~in_sink & ~in_chunk
@@ -845,12 +849,14 @@ class GluonConfig:
         return int(max(1, min(self.per_sm * sms // max(1, programs), most, 128)))
 
 
-# H200, the kernel alone (results/gluon_decode_h200_pipeline.json): one-warp programs (their softmax state is
-# rescaled only when a running max grows), codes two blocks deep through shared memory, ~16 programs an SM
-# were fastest or within 4% of it at all six shapes of DESIGN.md section 6 (32 x 32K: 307 us; 4 warps with
-# register prefetch: 328 us). But at batch 1 that means ~128 splits, and merging them cost 20 us of 93 at
+# H200 (results/gluon_decode_h200_pipeline.json, gluon_decode_h200_budget.json): one-warp programs (their softmax
+# state is rescaled only when a running max grows), codes two blocks deep through shared memory. Two 16-key tiles a
+# block (two independent MMA chains a warp) and ~12 programs an SM: the kernel alone, 93 x 32K 831 us against 922
+# with one tile and ~16 an SM, 319 x 8K 681 against 797, 32 x 32K 289 against 307, 32 x 8K 81 against 84. Four
+# tiles were 2-4% faster alone but in the model (bool mask, 183 registers) took 44.4 ms of a 32K decode step
+# against 32.2. But at batch 1 ~12 an SM means ~128 splits, and merging them cost 20 us of 93 at
 # 1 x 128K (results/decode_attention_h200.json): fewer rows x KV heads than SMs take 4-warp programs.
-GLUON_WIDE = GluonConfig(warps=1, tiles=1, stages=2, per_sm=16)
+GLUON_WIDE = GluonConfig(warps=1, tiles=2, stages=2, per_sm=12)
 GLUON_NARROW = GluonConfig(warps=4, tiles=1, stages=1, per_sm=4)
 # OSCAR_GLUON_CONFIG='{"warps": 2, ...}' forces one launch shape for every call (benchmarks, profiling; read once).
 GLUON = GluonConfig(**json.loads(os.environ["OSCAR_GLUON_CONFIG"])) if os.environ.get("OSCAR_GLUON_CONFIG") else None
@@ -1013,7 +1019,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      maxnreg: int | None = None, page_warps: int | None = None, bf16_warps: int | None = None,
                      temp_budget: int = TEMP_BYTES_BUDGET, page_kernel: str | None = None,
                      dense_chunk: bool | None = None, chunk_block_m: int | None = None, chunk_warps: int | None = None,
-                     gather_prefix: bool | None = None):
+                     gather_prefix: bool | None = None, bf16_splits: int | None = None):
     """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
 
     ``page_kernel``: ``"gluon"``, ``"triton"`` or None (:data:`PAGE_KERNEL`, by default the Gluon decode
@@ -1052,6 +1058,11 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
         every = triton.cdiv(geo.num_sinks + geo.window + (0 if dense_chunk else chunk_len), BF16_BLOCK_N) * BF16_BLOCK_N
         tiles = [(t0, p if p.nc == int(dense_chunk) else
                   dataclasses.replace(p, bf16_per_split=every, nb=1, nc=int(dense_chunk))) for t0, p in tiles]
+    if bf16_splits and not ablate:  # forced (measurements): the sinks, ring and chunk keys in this many splits
+        tiles = [(t0, dataclasses.replace(
+            p, nb=bf16_splits, bf16_per_split=triton.cdiv(triton.cdiv(max(1, geo.num_sinks + geo.window + chunk_len),
+                                                                      bf16_splits), BF16_BLOCK_N) * BF16_BLOCK_N))
+                 for t0, p in tiles]
     LAST_LAUNCH["plan"] = tiles[0][1]
     if has_chunk:
         cpos = chunk_positions.expand(b, chunk_len) if chunk_positions.dim() == 1 else chunk_positions
@@ -1248,7 +1259,7 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     LAST_LAUNCH["dense_chunk"] = dense_chunk
     LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, plan.m_blocks, plan.nb)](
         *args, REGION=1, BLOCK_M=plan.block_m, BLOCK_N=BF16_BLOCK_N, num_warps=bf16_warps or num_warps or 4,
-        DENSE_CHUNK=dense_chunk, CDT=cdt, **meta)
+        DENSE_CHUNK=dense_chunk, CDT=cdt, SKIP_EMPTY=plan.tile_tokens > 1, **meta)
     if dense_chunk:
         cm = chunk_block_m or plan.block_m
         LAST_LAUNCH["attention_chunk"] = _attn_kernel[(b * h, triton.cdiv(m_total, cm), 1)](

@@ -2,7 +2,8 @@
 
 Beside it, :func:`oscar_compile.kernels.store.store_reference` is the oracle (same semantics).
 
-One program handles ``BLOCK_T`` tokens of one sequence row, one KV head and one side (keys or values):
+One program handles ``BLOCK_T`` tokens (consecutive in the flattened ``B x T``: a chunk of one row, or the decode
+token of ``BLOCK_T`` rows), one KV head and one side (keys or values):
 
 1. ``y = (x - mu) @ A`` (``tl.dot`` against the head's ``d x d`` matrix, fp32-accurate ``tf32x3``), rounded to the
    cache dtype; written to the returned chunk ``[B, T, H, d]``.
@@ -112,19 +113,21 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
         logical = qidx // PS
         ok = keep & (qidx >= 0) & (logical < MAX_PAGES)
         page = tl.load(bt_ptr + b * stride_bt_b + tl.where(ok, logical, 0), mask=ok, other=-1)
-        ok = ok & (page >= 0) & (page < NUM_PAGES)
-        page = tl.where(ok, page, 0).to(tl.int64)
-        slot = tl.where(ok, qidx % PS, 0).to(tl.int64)
+        # rows as [BLOCK_T, 1] from here on: Triton 3.6's layout pass fails on these selects in 1-D (logical order,
+        # rows of several batch rows)
+        ok = (ok & (page >= 0) & (page < NUM_PAGES))[:, None]
+        page = tl.where(ok, page[:, None], 0).to(tl.int64)
+        slot = tl.where(ok, (qidx % PS)[:, None], 0).to(tl.int64)
         d4 = tl.arange(0, D // 4)[None, :]
         if FRAG:
-            byte_off = _fragment_byte(slot[:, None], d4, sc_s, D, KIND)
-            tl.store(codes_ptr + page[:, None] * sc_p + h * sc_h + byte_off, packed, mask=ok[:, None])
+            byte_off = _fragment_byte(slot, d4, sc_s, D, KIND)
+            tl.store(codes_ptr + page * sc_p + h * sc_h + byte_off, packed, mask=ok)
         else:
-            tl.store(codes_ptr + page[:, None] * sc_p + slot[:, None] * sc_s + h * sc_h + d4, packed, mask=ok[:, None])
+            tl.store(codes_ptr + page * sc_p + slot * sc_s + h * sc_h + d4, packed, mask=ok)
         g = tl.arange(0, NG)[None, :]
-        mbase = meta_ptr + page[:, None] * sm_p + slot[:, None] * sm_s + h * sm_h
-        tl.store(mbase + g, tl.where(finite[:, None], scale, float("nan")).to(meta_ty), mask=ok[:, None])
-        tl.store(mbase + NG + g, tl.where(finite[:, None], mn, float("nan")).to(meta_ty), mask=ok[:, None])
+        mbase = meta_ptr + page * sm_p + slot * sm_s + h * sm_h
+        tl.store(mbase + g, tl.where(finite[:, None], scale, float("nan")).to(meta_ty), mask=ok)
+        tl.store(mbase + NG + g, tl.where(finite[:, None], mn, float("nan")).to(meta_ty), mask=ok)
 
 
 @triton.jit
@@ -141,13 +144,13 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
     # y = (x - mu) @ A, blocked over the input channels so no D x D tile sits in registers
     y = tl.zeros([BLOCK_T, D], tl.float32)
     for kq in tl.static_range(4):
-        xk = tl.load(x_ptr + b * sx_b + h * sx_h + t[:, None] * sx_t + kq * D4 + c4[None, :], mask=inb[:, None], other=0.0)
+        xk = tl.load(x_ptr + b[:, None] * sx_b + h * sx_h + t[:, None] * sx_t + kq * D4 + c4[None, :], mask=inb[:, None], other=0.0)
         xk = xk.to(tl.float32) - tl.load(mu_ptr + h * D + kq * D4 + c4)[None, :]
         ak = tl.load(a_ptr + h * D * D + (kq * D4 + c4)[:, None] * D + col[None, :])
         y = tl.dot(xk, ak, y, input_precision="tf32x3")  # fp32-accurate on tensor cores
     cache_ty = sink_ptr.dtype.element_ty
     yc = y.to(cache_ty)
-    out_rows = out_ptr + b * so_b + t[:, None] * so_t + h * so_h + col[None, :]
+    out_rows = out_ptr + b[:, None] * so_b + t[:, None] * so_t + h * so_h + col[None, :]
     tl.store(out_rows, yc, mask=inb[:, None])
     # Every region holds (and quantizes) the cache-dtype rounded row. Read it back: the reshapes of the
     # quantizer then start from a plain load layout, not the dot's accumulator layout.
@@ -156,7 +159,7 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
 
     length = last + 1
     in_sink = valid & (p < S)
-    tl.store(sink_ptr + b * ss_b + tl.where(in_sink, p, 0)[:, None] * ss_t + h * ss_h + col[None, :], yc,
+    tl.store(sink_ptr + b[:, None] * ss_b + tl.where(in_sink, p, 0)[:, None] * ss_t + h * ss_h + col[None, :], yc,
              mask=in_sink[:, None])
     if HAS_RING:
         w1 = tl.maximum(W, 1)
@@ -165,7 +168,7 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
         # the slot's old occupant: the largest position congruent to p below this call's first position
         q = p - W * ((p - first) // w1 + 1)
         evict = ring_final & (q >= S)
-        ring_row = ring_ptr + b * sr_b + slot[:, None] * sr_t + h * sr_h + col[None, :]
+        ring_row = ring_ptr + b[:, None] * sr_b + slot[:, None] * sr_t + h * sr_h + col[None, :]
         old = tl.load(ring_row, mask=evict[:, None], other=0.0).to(tl.float32)
         _quantize_store(old, evict, q - S, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
                         sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, MAX_PAGES, NUM_PAGES,
@@ -181,26 +184,29 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
 
 
 # Per-call sizes and per-layer clip indices are not specialised (no recompiles on new prompt lengths).
-@triton.jit(do_not_specialize=["sp_b", "stride_bt_b", "T", "S", "W", "kclip_lo", "vclip_lo", "NUM_PAGES"])
+@triton.jit(do_not_specialize=["sp_b", "stride_bt_b", "T", "ROWS", "S", "W", "kclip_lo", "vclip_lo", "NUM_PAGES"])
 def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-                  pos_ptr, sp_b, first_ptr, last_ptr, T,
+                  pos_ptr, sp_b, first_ptr, last_ptr, T, ROWS,
                   ak_ptr, muk_ptr, av_ptr, muv_ptr, kout_ptr, vout_ptr,
                   kc_ptr, km_ptr, vc_ptr, vm_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr, bt_ptr, stride_bt_b,
                   sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h,
                   kclip_lo, kclip_frac, vclip_lo, vclip_frac, S, W, MAX_PAGES, NUM_PAGES, NH,
                   PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
                   K_CLIP: tl.constexpr, V_CLIP: tl.constexpr, HAS_RING: tl.constexpr, FRAG: tl.constexpr):
-    # Keys and values in separate programs (grid axis 2 = side * NH + head): a decode step has one
-    # token, so at small batch each program's serial chain is the latency.
-    b = tl.program_id(0).to(tl.int64)  # k/v of a large batch pass 2^31 elements
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(2) % NH
-    inb = t < T
-    p = tl.load(pos_ptr + b * sp_b + tl.where(inb, t, 0), mask=inb, other=-1).to(tl.int64)
+    # A program takes BLOCK_T consecutive (batch row, token) pairs of the flattened B x T tokens: a prefill
+    # chunk's tokens of one row, or one decode token of each of BLOCK_T rows (so a decode step reads each
+    # head's d x d matrix once per 16 rows, not once per row). Keys and values in separate programs (grid
+    # axis 1 = side * NH + head): at small batch each program's serial chain is the latency.
+    r = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # k/v of a large batch pass 2^31 elements
+    inb = r < ROWS
+    b = tl.where(inb, r // T, 0)
+    t = r % T
+    h = tl.program_id(1) % NH
+    p = tl.load(pos_ptr + b * sp_b + t, mask=inb, other=-1).to(tl.int64)
     valid = inb & (p >= 0)
-    first = tl.load(first_ptr + b).to(tl.int64)
-    last = tl.load(last_ptr + b).to(tl.int64)
-    if tl.program_id(2) < NH:
+    first = tl.load(first_ptr + b, mask=inb, other=0).to(tl.int64)
+    last = tl.load(last_ptr + b, mask=inb, other=0).to(tl.int64)
+    if tl.program_id(1) < NH:
         _store_side(k_ptr, sk_b, sk_h, sk_t, ak_ptr, muk_ptr, kout_ptr, kc_ptr, km_ptr, ks_ptr, kr_ptr, bt_ptr,
                     b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
                     ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, kclip_lo, kclip_frac, S, W, MAX_PAGES,
@@ -244,10 +250,10 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
     f32 = lambda x: x.float().contiguous()  # noqa: E731
     warps = 8 if d >= 256 else 4
     bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    grid = (b, triton.cdiv(t, block_t), 2 * h)  # keys: heads 0..h-1, values: h..2h-1
+    grid = (triton.cdiv(b * t, block_t), 2 * h)  # keys: heads 0..h-1, values: h..2h-1
     LAST_LAUNCH["store"] = _store_kernel[grid](
         k, v, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        pos, pos.stride(0), first, last, t,
+        pos, pos.stride(0), first, last, t, b * t,
         f32(key_transform), f32(key_mean), f32(value_transform), f32(value_mean), k_out, v_out,
         k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, bt, bt.stride(0),
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_meta.stride(0), k_meta.stride(1), k_meta.stride(2),

@@ -109,6 +109,18 @@ def test_store_and_attention_match_reference_small():
     _run_case(h=1, gqa=3, d=64, lengths=(21, 9), s=2, w=4, ps=8, decode_steps=2, clip=0.9, kind="invertible")
 
 
+def test_decode_store_of_more_rows_than_a_program_takes_small():
+    # a store program takes 16 (row, token) pairs of the flattened batch: 19 rows of different lengths
+    # span two programs in decode (one token a row) and mix rows within a program in prefill
+    _run_case(h=2, gqa=2, d=64, lengths=tuple(5 + (7 * i) % 23 for i in range(19)), s=2, w=4, ps=4, decode_steps=2,
+              clip=0.9, seed=3)
+
+
+def test_bf16_keys_in_forced_splits_small():
+    # the sinks + ring (+ chunk) keys in 3 splits of 64-key blocks (the last may be empty): 3 + 40 keys a decode row
+    _run_case(h=1, gqa=4, d=64, lengths=(90, 57), s=3, w=40, ps=4, decode_steps=2, seed=4, bf16_splits=3)
+
+
 def test_groups_masks_and_no_bf16_tokens_small():
     _run_case(h=1, gqa=2, d=64, lengths=(13,), s=0, w=0, ps=4, decode_steps=1, group=16, mask_kind="bool", seed=1)
     _run_case(h=1, gqa=1, d=64, lengths=(11,), s=1, w=3, ps=4, decode_steps=0, mask_kind="additive", seed=2)
@@ -465,7 +477,10 @@ def test_gluon_decode_launch_shapes_gpu(cfg, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gluon_decode_with_bool_mask_and_page_size_32_gpu():
+@pytest.mark.parametrize("heads", [32, 1], ids=["mask_per_head", "one_mask_row"])
+def test_gluon_decode_with_bool_mask_and_page_size_32_gpu(heads):
+    # a mask row per query head (read a key and head), or one row every head shares (a model's [B, 1, 1, L]
+    # mask: read a key)
     gen = torch.Generator().manual_seed(3)
     h, gqa, d = 8, 4, 128
     ref, _ = twin_caches(h, d, 3, 2200, 64, 256, 32, None, torch.bfloat16, "invertible", 0.95, 3, device=DEV)
@@ -476,7 +491,7 @@ def test_gluon_decode_with_bool_mask_and_page_size_32_gpu():
     store_reference(*ref.store_args(0, k, v, pos))
     q1 = torch.randn(3, h * gqa, 1, d, generator=gen).to(DEV, torch.bfloat16)
     p1 = torch.tensor(lengths, device=DEV)[:, None] - 1
-    keep = torch.rand(3, h * gqa, 1, 2200, generator=gen) > 0.3  # per head: the mask is read per query head
+    keep = torch.rand(3, heads, 1, 2200, generator=gen) > 0.3
     keep[..., 0] = True
     a = ref.attention_args(0, q1, p1, p1[:, 0] + 1, keep.to(DEV), True)
     out = attention_triton(*a, page_kernel="gluon")
