@@ -225,7 +225,7 @@ def _calibrate(args) -> int:
         print(f"oscar calibrate: {desc} has {ids.numel()} tokens, fewer than the {need} asked for: using all of it")
     batches = token_batches(ids, args.seq_len, args.batch_size, max_tokens=need)
     stats = collect_statistics(model, batches, data_description=desc, skip_first=args.skip_first)
-    artifacts = derive_artifacts(stats, args.method, group_size=args.group_size)
+    artifacts = derive_artifacts(stats, args.method, group_size=args.group_size, progress=True)
     out = artifacts.save(args.out)
     print(artifacts.summary())
     print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")

@@ -66,7 +66,7 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
         batches = token_batches(tok_ids, seq, bs, max_tokens=tokens + seq * bs)
         stats = collect_statistics(model, batches, data_description=text_name, progress=progress)
         for method in missing:
-            found[method] = derive_artifacts(stats, method)
+            found[method] = derive_artifacts(stats, method, progress=progress)
             found[method].save(path(method))
     return found, cached
 

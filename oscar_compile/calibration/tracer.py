@@ -121,13 +121,19 @@ def key_scale_spans(transforms) -> list[float]:
 
 
 def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_size: int | None = None,
-                     clip_grid=CLIP_GRID) -> Artifacts:
-    """Transforms and clip ratios of ``method`` from collected statistics."""
+                     clip_grid=CLIP_GRID, progress: bool = False) -> Artifacts:
+    """Transforms and clip ratios of ``method`` from collected statistics (``progress``: a bar over the layers,
+    whose sign-pattern and clip searches take seconds each on a CPU)."""
     spec = parse_method(method)
     obs = stats.observer
     transforms = []
     seeds = []
-    for layer in range(len(obs.layers)):
+    layers = range(len(obs.layers))
+    if progress and spec.clip_search:
+        from tqdm.auto import tqdm
+
+        layers = tqdm(layers, desc=f"oscar derive {spec.name}", unit="layer")
+    for layer in layers:
         if not spec.clip_search:
             transforms.append(derive_transforms(obs.layers[layer], spec))
             continue
@@ -181,7 +187,7 @@ def calibrate(
     """
     stats = collect_statistics(model, batches, heldout_batches=heldout_batches, skip_first=skip_first,
                                forward=forward, data_description=data_description, progress=progress)
-    return derive_artifacts(stats, method, group_size=group_size, clip_grid=clip_grid)
+    return derive_artifacts(stats, method, group_size=group_size, clip_grid=clip_grid, progress=progress)
 
 
 def token_batches(token_ids: list[int] | torch.Tensor, seq_len: int, batch_size: int, max_tokens: int | None = None):
