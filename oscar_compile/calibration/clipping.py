@@ -41,6 +41,21 @@ def key_error(q, k, tr: LayerTransforms, clip: float, group_size=None, skip: int
     return float((logit_err.square() * _causal(t, skip, q.device)).sum())
 
 
+def logit_energy(q, k, tr: LayerTransforms, skip: int = 0) -> float:
+    """``sum (q.(k - mu_k))^2`` over the causal pairs :func:`key_error` sums over: its denominator for a relative
+    error (the key mean's part of a logit is the same for every key of a query, so softmax ignores it)."""
+    b, hq, t, d = q.shape
+    h = k.shape[1]
+    s = torch.einsum("bhgtd,bhjd->bhgtj", q.float().reshape(b, h, hq // h, t, d), k.float() - tr.key_mean[None, :, None])
+    return float((s.square() * _causal(t, skip, q.device)).sum())
+
+
+def output_energy(probs, v, skip: int = 0) -> float:
+    """``|| P v ||^2`` of the exact outputs: the denominator of :func:`value_error` for a relative error (the
+    sink rows that stay in BF16 included: the error is relative to the whole output)."""
+    return float(torch.einsum("bhgtj,bhjd->bhgtd", probs, v.float()).square().sum())
+
+
 def attention_probs(q, k, scale: float | None = None) -> torch.Tensor:
     """Causal softmax weights ``[B, H, G, T, T]`` of the original (unquantized) queries and keys."""
     b, hq, t, d = q.shape
@@ -72,3 +87,17 @@ def search_clip(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size
     best_k = min(grid, key=lambda r: (k_err[r], -r))
     best_v = min(grid, key=lambda r: (v_err[r], -r))
     return best_k, best_v, {"key_error": k_err, "value_error": v_err}
+
+
+def relative_errors(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size=None, skip: int = 0) -> tuple:
+    """Held-out RMS errors of a layer's INT2 keys (logits) and values (outputs) at its clip ratios, relative to
+    the exact logits and outputs: what the calibration records per layer so that a layer whose keys or values
+    do not survive 2 bits stands out (e.g. Qwen2.5-Coder-0.5B's layer 0 keys)."""
+    ke = ks = ve = vs = 0.0
+    for q, k, v in zip(heldout_q, heldout_k, heldout_v):
+        ke += key_error(q, k, tr, tr.key_clip, group_size, skip)
+        ks += logit_energy(q, k, tr, skip)
+        probs = attention_probs(q, k)
+        ve += value_error(probs, v, tr, tr.value_clip, group_size, skip)
+        vs += output_energy(probs, v, skip)
+    return (ke / max(ks, 1e-30)) ** 0.5, (ve / max(vs, 1e-30)) ** 0.5

@@ -11,7 +11,7 @@ import torch
 
 from ..backend import OscarBackend
 from .artifacts import Artifacts, model_fingerprint
-from .clipping import CLIP_GRID, search_clip
+from .clipping import CLIP_GRID, relative_errors, search_clip
 from .rotations import derive_transforms, parse_method
 from .statistics import StatsObserver
 
@@ -128,6 +128,7 @@ def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_
     obs = stats.observer
     transforms = []
     seeds = []
+    errors = []  # [key, value] relative held-out RMS error of each layer at its chosen transforms and clips
     layers = range(len(obs.layers))
     if progress and spec.clip_search:
         from tqdm.auto import tqdm
@@ -153,10 +154,12 @@ def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_
         tr = dataclasses.replace(best_k[3], value_transform=best_v[3].value_transform,
                                  output_transform=best_v[3].output_transform, key_clip=best_k[2], value_clip=best_v[2])
         seeds.append([best_k[1], best_v[1]])
+        errors.append([round(e, 4) for e in relative_errors(h.q, h.k, h.v, tr, group_size, obs.skip_first)])
         transforms.append(tr)
     info = dict(stats.info)
     if seeds:
         info["sign_seeds"] = seeds  # [key, value] sign pattern of each layer (rotations._fixed_signs)
+        info["heldout_relative_error"] = errors
     if spec.query_scaling:
         info["key_scale_span"] = key_scale_spans(transforms)
     return Artifacts(

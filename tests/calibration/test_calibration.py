@@ -196,6 +196,37 @@ def test_clip_search_picks_the_grid_minimum():
     assert errors["value_error"][vc] == min(errors["value_error"].values())
 
 
+def test_relative_errors_are_recorded_and_an_outlier_layer_is_flagged():
+    # relative RMS errors: 0 for an exactly representable layer, about 2-bit rounding's share (0.1-0.5) for random
+    # data, and 1 or more when keys lose what the logits depend on: a layer whose logits live in a tiny direction
+    # of keys that a huge direction dominates (INT2's step is set by the huge one)
+    from oscar_compile.calibration.clipping import relative_errors
+    from oscar_compile.calibration.tracer import derive_artifacts
+    from oscar_compile.calibration.tracer import CalibrationStats
+
+    gen = torch.Generator().manual_seed(5)
+    obs = StatsObserver(skip_first=0)
+    q, k, v = _planted(3, 4)
+    bad_q = torch.zeros_like(q)
+    bad_q[..., 1] = 40.0 * torch.randn(q.shape[:-1], generator=gen)  # queries read channel 1 only
+    bad_k = 0.01 * torch.randn(k.shape, generator=gen)
+    bad_k[..., 0] = 100.0 * torch.randn(k.shape[:-1], generator=gen)  # keys vary hugely in channel 0
+    obs.record(0, q, k, v, torch.arange(q.shape[2]))
+    obs.record(1, bad_q, bad_k, v, torch.arange(q.shape[2]))
+    obs.phase = "heldout"
+    obs.record(0, q, k, v, torch.arange(q.shape[2]))
+    obs.record(1, bad_q, bad_k, v, torch.arange(q.shape[2]))
+    fp = {"architecture": "planted", "num_layers": 2, "num_q_heads": q.shape[1], "num_kv_heads": k.shape[1],
+          "head_dim": q.shape[-1]}
+    art = derive_artifacts(CalibrationStats(obs, fp, {}), "oscar+mean")  # no query-aware scaling: it would rescue the bad layer
+    errs = art.calibration["heldout_relative_error"]
+    assert len(errs) == 2 and all(0 < e < 1 for e in errs[0]), errs
+    assert errs[1][0] > 1 and errs[1][0] > 4 * errs[0][0], errs  # the bad layer's keys
+    assert "<- an outlier" in art.summary().splitlines()[-1]
+    tr = art.layers[0]
+    assert relative_errors([q], [k], [v], tr) == pytest.approx(tuple(errs[0]), rel=1e-3)
+
+
 def test_method_names():
     assert parse_method("default").name == "oscar+mean+scale"
     assert parse_method("oscar").clip_search and not parse_method("hadamard").clip_search
