@@ -41,15 +41,6 @@ def key_error(q, k, tr: LayerTransforms, clip: float, group_size=None, skip: int
     return float((logit_err.square() * _causal(t, skip, q.device)).sum())
 
 
-def logit_energy(q, k, tr: LayerTransforms, skip: int = 0) -> float:
-    """``sum (q.(k - mu_k))^2`` over the causal pairs :func:`key_error` sums over: its denominator for a relative
-    error (the key mean's part of a logit is the same for every key of a query, so softmax ignores it)."""
-    b, hq, t, d = q.shape
-    h = k.shape[1]
-    s = torch.einsum("bhgtd,bhjd->bhgtj", q.float().reshape(b, h, hq // h, t, d), k.float() - tr.key_mean[None, :, None])
-    return float((s.square() * _causal(t, skip, q.device)).sum())
-
-
 def output_energy(probs, v, skip: int = 0) -> float:
     """``|| P v ||^2`` of the exact outputs: the denominator of :func:`value_error` for a relative error (the
     sink rows that stay in BF16 included: the error is relative to the whole output)."""
@@ -89,14 +80,36 @@ def search_clip(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size
     return best_k, best_v, {"key_error": k_err, "value_error": v_err}
 
 
+def key_output_error(q, k, v, tr: LayerTransforms, clip: float, group_size=None, skip: int = 0) -> tuple[float, float]:
+    """``(|| (P_hat - P) v ||^2, || P v ||^2)``: what INT2 keys do to the attention output, values exact.
+
+    A logit error matters by its size in nats, not relative to the logits: a layer with large, peaked logits
+    loses its attention pattern to a relative logit error that is harmless elsewhere (Qwen2.5-Coder-0.5B's layer
+    0: 0.25 relative RMS logit error like its other layers, but ~1.0 relative output error at 2K)."""
+    b, hq, t, d = q.shape
+    h = k.shape[1]
+    kt = torch.einsum("bhtd,hde->bhte", k.float() - tr.key_mean[None, :, None], tr.key_transform)
+    qt = torch.einsum("bhgtd,hde->bhgte", q.float().reshape(b, h, hq // h, t, d), tr.query_transform)
+    kq = round_trip(kt, clip, group_size)
+    if skip:
+        kq[:, :, :skip] = kt[:, :, :skip]  # sink tokens stay in BF16
+    causal = _causal(t, 0, q.device)
+    out = []
+    for keys in (kt, kq):
+        s = torch.einsum("bhgtd,bhjd->bhgtj", qt, keys) * d**-0.5
+        out.append(torch.einsum("bhgtj,bhjd->bhgtd", torch.softmax(s.masked_fill(~causal, float("-inf")), -1),
+                                v.float()))
+    return float((out[1] - out[0]).square().sum()), float(out[0].square().sum())
+
+
 def relative_errors(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size=None, skip: int = 0) -> tuple:
-    """Held-out RMS errors of a layer's INT2 keys (logits) and values (outputs) at its clip ratios, relative to
-    the exact logits and outputs: what the calibration records per layer so that a layer whose keys or values
-    do not survive 2 bits stands out (e.g. Qwen2.5-Coder-0.5B's layer 0 keys)."""
+    """Held-out relative RMS errors of a layer's attention output with INT2 keys (values exact) and with INT2
+    values (keys exact) at its clip ratios: what the calibration records per layer so that a layer whose keys or
+    values do not survive 2 bits stands out."""
     ke = ks = ve = vs = 0.0
     for q, k, v in zip(heldout_q, heldout_k, heldout_v):
-        ke += key_error(q, k, tr, tr.key_clip, group_size, skip)
-        ks += logit_energy(q, k, tr, skip)
+        e, n = key_output_error(q, k, v, tr, tr.key_clip, group_size, skip)
+        ke, ks = ke + e, ks + n
         probs = attention_probs(q, k)
         ve += value_error(probs, v, tr, tr.value_clip, group_size, skip)
         vs += output_energy(probs, v, skip)

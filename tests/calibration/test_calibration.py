@@ -197,34 +197,31 @@ def test_clip_search_picks_the_grid_minimum():
 
 
 def test_relative_errors_are_recorded_and_an_outlier_layer_is_flagged():
-    # relative RMS errors: 0 for an exactly representable layer, about 2-bit rounding's share (0.1-0.5) for random
-    # data, and 1 or more when keys lose what the logits depend on: a layer whose logits live in a tiny direction
-    # of keys that a huge direction dominates (INT2's step is set by the huge one)
+    # Two layers with the same keys and values: queries of norm 0.5 (logits ~0.5 nat apart: a soft attention) and of
+    # norm 10 (logits ~10 nats apart: a peaked one). INT2 keys make the same relative logit error in both, but only the
+    # peaked layer's attention output moves by its whole size (Qwen2.5-Coder-0.5B's layer 0); the calibration
+    # records the output error, and the summary flags that layer.
     from oscar_compile.calibration.clipping import relative_errors
-    from oscar_compile.calibration.tracer import derive_artifacts
-    from oscar_compile.calibration.tracer import CalibrationStats
+    from oscar_compile.calibration.tracer import CalibrationStats, derive_artifacts
 
     gen = torch.Generator().manual_seed(5)
+    b, h, g, t, d = 2, 2, 3, 96, 64
+    q = torch.randn(b, h * g, t, d, generator=gen)
+    k = torch.randn(b, h, t, d, generator=gen) + 0.5
+    v = torch.randn(b, h, t, d, generator=gen)
     obs = StatsObserver(skip_first=0)
-    q, k, v = _planted(3, 4)
-    bad_q = torch.zeros_like(q)
-    bad_q[..., 1] = 40.0 * torch.randn(q.shape[:-1], generator=gen)  # queries read channel 1 only
-    bad_k = 0.01 * torch.randn(k.shape, generator=gen)
-    bad_k[..., 0] = 100.0 * torch.randn(k.shape[:-1], generator=gen)  # keys vary hugely in channel 0
-    obs.record(0, q, k, v, torch.arange(q.shape[2]))
-    obs.record(1, bad_q, bad_k, v, torch.arange(q.shape[2]))
-    obs.phase = "heldout"
-    obs.record(0, q, k, v, torch.arange(q.shape[2]))
-    obs.record(1, bad_q, bad_k, v, torch.arange(q.shape[2]))
-    fp = {"architecture": "planted", "num_layers": 2, "num_q_heads": q.shape[1], "num_kv_heads": k.shape[1],
-          "head_dim": q.shape[-1]}
-    art = derive_artifacts(CalibrationStats(obs, fp, {}), "oscar+mean")  # no query-aware scaling: it would rescue the bad layer
+    for phase in ("stats", "heldout"):
+        obs.phase = phase
+        obs.record(0, 0.5 * q, k, v, torch.arange(t))
+        obs.record(1, 10 * q, k, v, torch.arange(t))
+    fp = {"architecture": "planted", "num_layers": 2, "num_q_heads": h * g, "num_kv_heads": h, "head_dim": d}
+    art = derive_artifacts(CalibrationStats(obs, fp, {}), "oscar+mean")  # no query-aware scaling
     errs = art.calibration["heldout_relative_error"]
     assert len(errs) == 2 and all(0 < e < 1 for e in errs[0]), errs
-    assert errs[1][0] > 1 and errs[1][0] > 4 * errs[0][0], errs  # the bad layer's keys
+    assert errs[1][0] > 0.5 and errs[1][0] > 4 * errs[0][0], errs  # the peaked layer's keys
+    assert errs[1][1] == pytest.approx(errs[0][1], rel=0.5)  # values: the same data, the same error
     assert "<- an outlier" in art.summary().splitlines()[-1]
-    tr = art.layers[0]
-    assert relative_errors([q], [k], [v], tr) == pytest.approx(tuple(errs[0]), rel=1e-3)
+    assert relative_errors([0.5 * q], [k], [v], art.layers[0]) == pytest.approx(tuple(errs[0]), rel=1e-3)
 
 
 def test_method_names():
