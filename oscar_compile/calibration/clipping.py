@@ -4,7 +4,9 @@ On held-out sequences (queries, keys, values as the cache sees them):
 
 * key error: the logit error of every causal (query, key) pair, ``sum (q'.(k_hat' - k'))^2``; this is
   ``e^T S_q e`` measured on real query/key pairs instead of moments;
-* value error: the output error ``|| P (v_hat' - v') B_o ||^2`` with ``P`` the real attention weights.
+* value error: the output error ``|| P (v_hat' - v') B_o ||^2`` with ``P`` the real attention weights;
+* recorded per layer, not searched on (:func:`relative_errors`): the output error of INT2 keys
+  ``|| (P_hat - P) v ||^2`` and the value error, each relative to ``|| P v ||^2``.
 
 ``k'``, ``v'`` are the transformed rows the cache stores; ``k_hat'`` their INT2 round trip at a clip
 ratio. The ratio is chosen per layer, separately for K and V, from a grid.
@@ -41,9 +43,9 @@ def key_error(q, k, tr: LayerTransforms, clip: float, group_size=None, skip: int
     return float((logit_err.square() * _causal(t, skip, q.device)).sum())
 
 
-def output_energy(probs, v, skip: int = 0) -> float:
-    """``|| P v ||^2`` of the exact outputs: the denominator of :func:`value_error` for a relative error (the
-    sink rows that stay in BF16 included: the error is relative to the whole output)."""
+def output_energy(probs, v) -> float:
+    """``|| P v ||^2`` of the exact outputs: the denominator of :func:`value_error` and :func:`key_output_error`
+    for a relative error (relative to the whole output, the part the BF16 sinks carry included)."""
     return float(torch.einsum("bhgtj,bhjd->bhgtd", probs, v.float()).square().sum())
 
 
@@ -80,8 +82,9 @@ def search_clip(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size
     return best_k, best_v, {"key_error": k_err, "value_error": v_err}
 
 
-def key_output_error(q, k, v, tr: LayerTransforms, clip: float, group_size=None, skip: int = 0) -> tuple[float, float]:
-    """``(|| (P_hat - P) v ||^2, || P v ||^2)``: what INT2 keys do to the attention output, values exact.
+def key_output_error(probs, q, k, v, tr: LayerTransforms, clip: float, group_size=None, skip: int = 0) -> float:
+    """``|| (P_hat - P) v ||^2``: what INT2 keys do to the attention output, values exact (``probs``: ``P``, from
+    :func:`attention_probs`).
 
     A logit error matters by its size in nats, not relative to the logits: a layer with large, peaked logits
     loses its attention pattern to a relative logit error that is harmless elsewhere (Qwen2.5-Coder-0.5B's layer
@@ -93,24 +96,20 @@ def key_output_error(q, k, v, tr: LayerTransforms, clip: float, group_size=None,
     kq = round_trip(kt, clip, group_size)
     if skip:
         kq[:, :, :skip] = kt[:, :, :skip]  # sink tokens stay in BF16
-    causal = _causal(t, 0, q.device)
-    out = []
-    for keys in (kt, kq):
-        s = torch.einsum("bhgtd,bhjd->bhgtj", qt, keys) * d**-0.5
-        out.append(torch.einsum("bhgtj,bhjd->bhgtd", torch.softmax(s.masked_fill(~causal, float("-inf")), -1),
-                                v.float()))
-    return float((out[1] - out[0]).square().sum()), float(out[0].square().sum())
+    # q'.k_hat' is q.k_hat less q.mu_k, the same for every key of a query: softmax ignores it
+    s = torch.einsum("bhgtd,bhjd->bhgtj", qt, kq) * d**-0.5
+    p_hat = torch.softmax(s.masked_fill(~_causal(t, 0, q.device), float("-inf")), dim=-1)
+    return float(torch.einsum("bhgtj,bhjd->bhgtd", p_hat - probs, v.float()).square().sum())
 
 
 def relative_errors(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size=None, skip: int = 0) -> tuple:
     """Held-out relative RMS errors of a layer's attention output with INT2 keys (values exact) and with INT2
     values (keys exact) at its clip ratios: what the calibration records per layer so that a layer whose keys or
     values do not survive 2 bits stands out."""
-    ke = ks = ve = vs = 0.0
+    ke = ve = energy = 0.0
     for q, k, v in zip(heldout_q, heldout_k, heldout_v):
-        e, n = key_output_error(q, k, v, tr, tr.key_clip, group_size, skip)
-        ke, ks = ke + e, ks + n
         probs = attention_probs(q, k)
+        ke += key_output_error(probs, q, k, v, tr, tr.key_clip, group_size, skip)
         ve += value_error(probs, v, tr, tr.value_clip, group_size, skip)
-        vs += output_energy(probs, v, skip)
-    return (ke / max(ks, 1e-30)) ** 0.5, (ve / max(vs, 1e-30)) ** 0.5
+        energy += output_energy(probs, v)
+    return (ke / max(energy, 1e-30)) ** 0.5, (ve / max(energy, 1e-30)) ** 0.5

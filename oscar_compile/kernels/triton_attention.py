@@ -853,8 +853,9 @@ class GluonConfig:
 # state is rescaled only when a running max grows), codes two blocks deep through shared memory. Two 16-key tiles a
 # block (two independent MMA chains a warp) and ~12 programs an SM: the kernel alone, 93 x 32K 831 us against 922
 # with one tile and ~16 an SM, 319 x 8K 681 against 797, 32 x 32K 289 against 307, 32 x 8K 81 against 84. Four
-# tiles were 2-4% faster alone but in the model (bool mask, 183 registers) took 44.4 ms of a 32K decode step
-# against 32.2. But at batch 1 ~12 an SM means ~128 splits, and merging them cost 20 us of 93 at
+# tiles were 2-4% faster alone but in the model took 44.4 ms of a 32K decode step against 32.2 (measured while the
+# bool mask was still read a key and head; 183 registers against 148 with this Triton's ptxas, not the device's).
+# But at batch 1 ~12 an SM means ~128 splits, and merging them cost 20 us of 93 at
 # 1 x 128K (results/decode_attention_h200.json): fewer rows x KV heads than SMs take 4-warp programs.
 GLUON_WIDE = GluonConfig(warps=1, tiles=2, stages=2, per_sm=12)
 GLUON_NARROW = GluonConfig(warps=4, tiles=1, stages=1, per_sm=4)
