@@ -96,6 +96,10 @@ class BackendOptions:
     # instead where they take fewer bytes (a large window, a short cache); that quantizes half or more of what
     # those layers attend to, and cost Gemma 3 270M +15% perplexity at 2K tokens (+3% with rings).
     sliding_storage: str = "ring"
+    # Layers whose keys and values stay in BF16 (the ring holds every token, no INT2 pages): for a layer whose
+    # INT2 error the calibration measures as an outlier (Qwen2.5-Coder-0.5B's layer 0 at 2K tokens). Each costs
+    # ~7x that layer's INT2 bytes; ``bits_per_element`` in the eval counts it.
+    bf16_layers: tuple = ()
 
 
 class OscarBackend:
@@ -110,6 +114,10 @@ class OscarBackend:
             raise ValueError(f"oscar_backend: sliding_storage must be 'ring' or 'smallest', got {self.options.sliding_storage!r}")
         if self.options.rotation not in ROTATIONS:
             raise ValueError(f"oscar_backend: rotation must be one of {ROTATIONS}, got {self.options.rotation!r}")
+        layers = self.options.bf16_layers
+        if isinstance(layers, int) or not all(isinstance(x, int) and x >= 0 for x in layers):
+            raise ValueError(f"oscar_backend: bf16_layers must be layer indices (a tuple of ints >= 0), got {layers!r}")
+        self.options.bf16_layers = tuple(sorted(set(layers)))
         self.artifacts = artifacts
         if self.options.sliding_windows is None and artifacts is not None and artifacts.sliding_windows:
             self.options.sliding_windows = artifacts.sliding_windows  # recorded at calibration
@@ -297,10 +305,11 @@ class OscarBackend:
             if (sliding is not None and o.sliding_storage == "smallest"
                     and not _ring_is_smaller(o, m.num_kv_heads, m.head_dim, dtype, sliding, max_len)):
                 sliding = None  # INT2 pages for the whole cache take fewer bytes (a large window, a short cache)
+            quantize = o.quantize and not (key[0] == "layer" and layer in o.bf16_layers)
             cache = PagedInt2KVCache(
                 1, m.num_kv_heads, m.head_dim, max_batch_size=rows, max_seq_len=max_len, page_size=o.page_size,
                 num_sinks=o.num_sinks, window=o.window, group_size=o.group_size, identity_block_table=True,
-                quantize=o.quantize, sliding_window=sliding, max_chunk=o.max_chunk, dtype=dtype,
+                quantize=quantize, sliding_window=sliding, max_chunk=o.max_chunk, dtype=dtype,
                 meta_dtype=o.meta_dtype, device=device,
             )
             cache.set_transforms(0, self._transforms(layer, m.num_kv_heads, m.head_dim))

@@ -76,10 +76,18 @@ def _eval(args) -> int:
              "bfloat16": torch.bfloat16}[args.dtype]
     model, tok = load_model(args.model)  # float32 on the CPU: calibration and the artifact hash see these weights
     names = args.methods.split(",")
-    # "method@S": calibrated in sequences of S tokens (default --calib-seq-len)
-    base = {n: n.partition("@")[0] for n in names}
+    # "method@S": calibrated in sequences of S tokens (default --calib-seq-len); "method:L0:L5": layers 0 and 5 kept
+    # in BF16 (the backend's bf16_layers)
+    bf16_layers = {}
+    for n in names:
+        tags = n.split(":")[1:]
+        if any(not (t.startswith("L") and t[1:].isdigit()) for t in tags) or (tags and n.split(":")[0] in ("bf16", "kivi")):
+            raise SystemExit(f"oscar eval: --methods {args.methods}: in {n!r}, ':L<layer>' keeps a layer in BF16 "
+                             "(an oscar method only, e.g. default:L0)")
+        bf16_layers[n] = tuple(int(t[1:]) for t in tags)
+    base = {n: n.split(":")[0].partition("@")[0] for n in names}
     try:
-        seq_of = {n: int(n.partition("@")[2] or args.calib_seq_len) for n in names}
+        seq_of = {n: int(n.split(":")[0].partition("@")[2] or args.calib_seq_len) for n in names}
     except ValueError:
         raise SystemExit(f"oscar eval: --methods {args.methods}: in name@S, S is a calibration sequence length in tokens")
     calibrated = [n for n in names if base[n] not in ("bf16", "kivi")]
@@ -98,8 +106,11 @@ def _eval(args) -> int:
             methods.append(Method("kivi-2", "kivi", options={"group": 32, "residual": 128}))
         else:
             label = f"{n} ({artifacts[n].method})" if base[n] == "default" else n
-            group = {"group_size": args.group_size} if args.group_size else {}
-            methods.append(Method(label + (f" g{args.group_size}" if group else ""), "oscar", artifacts[n], group))
+            options = {"group_size": args.group_size} if args.group_size else {}
+            if bf16_layers[n]:
+                options["bf16_layers"] = bf16_layers[n]
+            methods.append(Method(label + (f" g{args.group_size}" if args.group_size else ""), "oscar", artifacts[n],
+                                  options))
     cfg = EvalConfig(ppl_contexts=ints(args.ppl_contexts), ppl_decode=args.ppl_decode, ppl_sequences=args.ppl_sequences,
                      retrieval_lengths=ints(args.retrieval_lengths), retrieval_samples=args.retrieval_samples,
                      retrieval_depths=tuple(float(x) for x in args.retrieval_depths.split(",") if x),

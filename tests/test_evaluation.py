@@ -133,6 +133,10 @@ def test_bits_and_report(tmp_path):
     bf = bits_per_element(model.config, Method("bf16", "bf16"), 4096, 64, 256)
     int2 = bits_per_element(model.config, Method("x"), 1 << 17, 64, 256)
     assert bf == 16.0 and 4.0 < int2 < 4.1  # head_dim 16: 2 + 32/16 bits, plus the BF16 sinks/window share
+    # a layer kept in BF16 (bf16_layers) holds every token in 16 bits
+    layers = model.config.num_hidden_layers
+    one_dense = bits_per_element(model.config, Method("x", options={"bf16_layers": (0,)}), 1 << 17, 64, 256)
+    assert math.isclose(one_dense, (int2 * (layers - 1) + 16) / layers)
     # a sliding layer holds its window (BF16) or its ring (oscar: window 8 + max_chunk 100 - 1 tokens in BF16)
     cfg = tiny_model("gemma3").config
     full, sliding = len(cfg.layer_types) - 1, 1

@@ -113,11 +113,19 @@ def _meta_pair(m):
 
 
 @gluon.jit
+def _div_mod(x, PS: gl.constexpr):
+    """``(x // PS, x % PS)`` of positions ``x >= 0``: unsigned, so a power-of-two page size is a shift and a mask
+    (signed division by a constant takes three instructions, a signed remainder five)."""
+    u = x.to(gl.uint32)
+    return (u // PS).to(gl.int32), (u % PS).to(gl.int32)
+
+
+@gluon.jit
 def _tile_pages(j0, hi, S, bt_row, wr, PS: gl.constexpr):
     """The page of each 16-key tile of the block at ``j0`` (0 past ``hi``), from the row's block table."""
     tj = j0 + wr * 16  # tile row r starts at key j0 + 16 r (a multiple of 16 past S)
     tok = tj < hi
-    return gl.maximum(gl.load(bt_row + gl.where(tok, tj - S, 0) // PS, mask=tok, other=0), 0)
+    return gl.maximum(gl.load(bt_row + _div_mod(gl.where(tok, tj - S, 0), PS)[0], mask=tok, other=0), 0)
 
 
 @gluon.jit
@@ -133,34 +141,179 @@ def _code_offsets(j0, hi, S, tpage, sc_p, sc_s, wr, word_in_group, PS: gl.conste
     tq = gl.where(tok, tj - S, 0)
     if WIDE:
         tpage = tpage.to(gl.int64)
-    return gl.expand_dims(tpage * sc_p + (tq % PS) * sc_s, 1) + word_in_group, gl.expand_dims(tok, 1)
+    if PS == 16:  # a tile is a whole page (tiles start at multiples of 16 past S)
+        off = tpage * sc_p
+    else:
+        off = tpage * sc_p + _div_mod(tq, PS)[1] * sc_s
+    return gl.expand_dims(off, 1) + word_in_group, gl.expand_dims(tok, 1)
 
 
 @gluon.jit
-def _load_meta(j0, hi, S, tpage, bt_row, km_ptr, vm_ptr, sm_p, sm_s, key_in_block, PS: gl.constexpr,
-               NT: gl.constexpr, KEYS: gl.constexpr, WIDE: gl.constexpr):
-    """The keys' and values' (scale | min) words ``[NW, NT 16]`` of the block at ``j0``."""
+def _load_meta(j0, hi, S, tpage, bt_row, km_ptr, vm_ptr, sm_p, sm_s, key_in_block, wr, PS: gl.constexpr,
+               NW: gl.constexpr, NT: gl.constexpr, KEYS: gl.constexpr, WIDE: gl.constexpr):
+    """The keys' and values' (scale | min) words ``[NW, NT 16]`` of the block at ``j0``.
+
+    A key's page is its tile's (tiles start at multiples of 16 past ``S`` and a page holds a multiple of 16
+    keys): reused from ``tpage`` rather than loaded from the block table again, a key at a time."""
     key = j0 + key_in_block
     kok = key < hi
     kq = gl.where(kok, key - S, 0)
     if NT == 1:  # warp w's keys are tile w's: its page is already loaded (no second block-table load)
         kpage = gl.expand_dims(gl.convert_layout(tpage, gl.SliceLayout(1, KEYS)), 1)
+    elif NW == 1 and PS % 16 == 0:
+        # one warp: every thread holds all NT tile pages in registers (tile rows are not spread over lanes), so
+        # picking tile nt's is a thread-local reduction, then a select a key
+        kt = key_in_block // 16
+        kpage = gl.zeros_like(key_in_block)
+        for nt in gl.static_range(NT):
+            kpage = gl.where(kt == nt, gl.sum(gl.where(wr == nt, tpage, 0), axis=0), kpage)
     else:
-        kpage = gl.maximum(gl.load(bt_row + kq // PS, mask=kok, other=0), 0)
+        kpage = gl.maximum(gl.load(bt_row + _div_mod(kq, PS)[0], mask=kok, other=0), 0)
     if WIDE:
         kpage = kpage.to(gl.int64)
-    moff = kpage * sm_p + (kq % PS) * sm_s
+    if PS == 16:  # a tile is a whole page: the slot is the key's place in its tile
+        moff = kpage * sm_p + (key_in_block % 16) * sm_s
+    else:
+        moff = kpage * sm_p + _div_mod(kq, PS)[1] * sm_s
     return gl.load(km_ptr + moff, mask=kok, other=0), gl.load(vm_ptr + moff, mask=kok, other=0)
+
+
+@gluon.jit
+def _page_loop(qq_ptr, q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
+               sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, last, wr, word_in_group, key_in_block, heads,
+               G: gl.constexpr, D: gl.constexpr, PS: gl.constexpr, NW: gl.constexpr, NT: gl.constexpr,
+               MASK_KIND: gl.constexpr, SUBNORMAL: gl.constexpr, WIDE: gl.constexpr, STAGES: gl.constexpr,
+               MASK_HEADS: gl.constexpr):
+    """The online softmax over the page keys ``[lo, hi)`` of one (row, KV head): its state ``(m, l, sum P min, O)``.
+
+    MASK_KIND 0: no mask; 1: a bool mask read a byte a key (and head, MASK_HEADS); 3: the row's visible keys are
+    the interval ``[first, last]`` (a bool mask row of one interval, its bounds read once)."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
+    A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    KEYS: gl.constexpr = gl.SliceLayout(2, MMA)  # [NW, NT 16]
+    HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [NW, 8]
+    WL: gl.constexpr = gl.BlockedLayout([1, D // 32], [1, 32], [NW, 1], [1, 0])  # [NT NW, D] words
+    BLOCK: gl.constexpr = NW * NT * 16
+    m_i = gl.full([NW, 8], float("-inf"), gl.float32, HEADS)
+    l_acc = gl.zeros([NW, NT * 16, 8], gl.float32, MMA)
+    pm_acc = gl.zeros([NW, NT * 16, 8], gl.float32, MMA)
+    o = gl.zeros([NW, D, 8], gl.float32, MMA)
+    # software pipelined by hand: block i+1's metadata (and codes, STAGES == 1) and block i+2's pages are
+    # loaded before block i is computed, so that no load waits for the block-table load it depends on;
+    # with STAGES > 1 the codes travel by cp.async through a ring of STAGES blocks in shared memory (each
+    # thread reads back only the bytes it copied itself)
+    tpage = _tile_pages(lo, hi, S, bt_row, wr, PS)
+    kmeta, vmeta = _load_meta(lo, hi, S, tpage, bt_row, km_h, vm_h, sm_p, sm_s, key_in_block, wr, PS, NW, NT, KEYS,
+                              WIDE)
+    tpage_n = _tile_pages(lo + BLOCK, hi, S, bt_row, wr, PS)
+    if STAGES == 1:
+        waddr, wok = _code_offsets(lo, hi, S, tpage, sc_p, sc_s, wr, word_in_group, PS, WIDE)
+        # no ``other``: any bits are valid codes, and keys past ``hi`` are masked out of S and P
+        kwords = gl.load(kc_h + waddr, mask=wok)
+        vwords = gl.load(vc_h + waddr, mask=wok)
+    else:
+        SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, NT * NW, D], SMEM)
+        vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, NT * NW, D], SMEM)
+        for st in gl.static_range(STAGES - 1):
+            j_st = lo + st * BLOCK
+            waddr, wok = _code_offsets(j_st, hi, S, _tile_pages(j_st, hi, S, bt_row, wr, PS), sc_p, sc_s, wr,
+                                       word_in_group, PS, WIDE)
+            _copy_to_shared(kbuf.index(st), kc_h + waddr, mask=wok)
+            _copy_to_shared(vbuf.index(st), vc_h + waddr, mask=wok)
+            async_copy.commit_group()
+        tpage_c = _tile_pages(lo + (STAGES - 1) * BLOCK, hi, S, bt_row, wr, PS)
+    it = 0
+    for j0 in range(lo, hi, BLOCK):
+        tpage_nn = _tile_pages(j0 + 2 * BLOCK, hi, S, bt_row, wr, PS)
+        km_n, vm_n = _load_meta(j0 + BLOCK, hi, S, tpage_n, bt_row, km_h, vm_h, sm_p, sm_s, key_in_block, wr, PS, NW, NT,
+                                KEYS, WIDE)
+        if STAGES == 1:
+            waddr, wok = _code_offsets(j0 + BLOCK, hi, S, tpage_n, sc_p, sc_s, wr, word_in_group, PS, WIDE)
+            kw_n = gl.load(kc_h + waddr, mask=wok)
+            vw_n = gl.load(vc_h + waddr, mask=wok)
+        else:
+            tpage_cn = _tile_pages(j0 + STAGES * BLOCK, hi, S, bt_row, wr, PS)
+            waddr, wok = _code_offsets(j0 + (STAGES - 1) * BLOCK, hi, S, tpage_c, sc_p, sc_s, wr, word_in_group, PS,
+                                       WIDE)
+            st_in = (it + STAGES - 1) % STAGES
+            _copy_to_shared(kbuf.index(st_in), kc_h + waddr, mask=wok)
+            _copy_to_shared(vbuf.index(st_in), vc_h + waddr, mask=wok)
+            async_copy.commit_group()
+            async_copy.wait_group(STAGES - 1)  # block i has landed
+            kwords = kbuf.index(it % STAGES).load(WL)
+            vwords = vbuf.index(it % STAGES).load(WL)
+            tpage_c = tpage_cn
+        key = j0 + key_in_block
+        kok = (key < hi) & (key <= row_pos)
+        if MASK_KIND == 3:  # one interval of visible keys
+            kok = kok & (key >= first) & (key <= last)
+        if MASK_KIND == 1 and not MASK_HEADS:  # one mask row for every head (a model's usual mask): a load a key
+            kin = key < mask_len
+            mv = gl.load(mask_ptr + b * smk_b + gl.where(kin, key, 0) * smk_j, mask=kok & kin, other=0)
+            kok = kok & kin & (mv != 0)
+        ksc, kmn = _meta_pair(kmeta)
+        vsc, vmn = _meta_pair(vmeta)
+        if SUBNORMAL:
+            ksc = ksc * SUBNORMAL_UNIT
+
+        k_op = _unpack(kwords, NW, NT, D, 0, A_OP, SUBNORMAL)
+        s = mma_v2(k_op, q_op, gl.zeros([NW, NT * 16, 8], gl.float32, MMA))
+        s = s * gl.expand_dims(ksc, 2) + gl.expand_dims(kmn, 2) * gl.expand_dims(qsum, 1)
+        vis = gl.expand_dims(kok, 2)
+        if MASK_KIND == 1 and MASK_HEADS:
+            key3 = gl.expand_dims(key, 2)
+            in_mask = key3 < mask_len
+            mptr = mask_ptr + b * smk_b + (h * G + gl.expand_dims(gl.expand_dims(heads, 0), 1)) * smk_h \
+                + gl.where(in_mask, key3, 0) * smk_j
+            hmask = gl.expand_dims(gl.expand_dims(heads, 0), 1) < G
+            mv = gl.load(mptr, mask=vis & in_mask & hmask, other=0)
+            vis = vis & in_mask & (mv != 0)
+        s = gl.where(vis, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        v_op = _unpack(vwords, NW, NT, D, 1, A_OP, SUBNORMAL)
+        if NW == 1:
+            # one warp a program: the state is rescaled only when some head's running max grew, which
+            # after the first blocks is rare (the test is a warp reduction, the branch warp-uniform)
+            if gl.max(gl.max((m_new > m_i).to(gl.int32), axis=1), axis=0) > 0:
+                alpha = gl.expand_dims(gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new)), 1)
+                l_acc = l_acc * alpha
+                pm_acc = pm_acc * alpha
+                o = o * alpha
+                m_i = m_new
+            p = gl.exp2(s - gl.expand_dims(gl.where(m_i == float("-inf"), 0.0, m_i), 1))
+            # a hidden key has s = -inf, so p = 0 exactly (the running max is finite or taken as 0), and its
+            # metadata is finite (0 past hi): no select on p
+            l_acc = l_acc + p
+            pm_acc = pm_acc + p * gl.expand_dims(vmn, 2)
+            pv = (p * gl.expand_dims(vsc, 2)).to(gl.float16)
+            o = mma_v2(v_op, gl.convert_layout(pv, B_OP), o)
+        else:
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.expand_dims(gl.exp2(m_i - m_safe), 1)
+            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+            l_acc = l_acc * alpha + p
+            pm_acc = pm_acc * alpha + p * gl.expand_dims(vmn, 2)  # p = 0 for hidden keys (see above)
+            pv = (p * gl.expand_dims(vsc, 2)).to(gl.float16)
+            o = mma_v2(v_op, gl.convert_layout(pv, B_OP), o * alpha)
+            m_i = m_new
+        kmeta, vmeta, tpage_n = km_n, vm_n, tpage_nn
+        if STAGES == 1:
+            kwords, vwords = kw_n, vw_n
+        it += 1
+
+    return m_i, l_acc, pm_acc, o
 
 
 @gluon.jit
 def _page_decode_kernel(
     qq_ptr, pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, kc_ptr, km_ptr, vc_ptr, vm_ptr, bt_ptr, sbt_b,
-    sc_p, sc_s, sm_p, sm_s, mask_ptr, smk_b, smk_h, smk_j, mask_len,
+    sc_p, sc_s, sm_p, sm_s, mask_ptr, smk_b, smk_h, smk_j, mask_len, mb_ptr, smb_b,
     part_m_ptr, part_l_ptr, part_o_ptr, keys_per_split, S, W, NS,
     H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, PS: gl.constexpr, NW: gl.constexpr, NT: gl.constexpr,
     HAS_CHUNK: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, SUBNORMAL: gl.constexpr,
-    WIDE: gl.constexpr, STAGES: gl.constexpr, MASK_HEADS: gl.constexpr = True,
+    WIDE: gl.constexpr, STAGES: gl.constexpr, MASK_HEADS: gl.constexpr = True, MASK_BOUNDS: gl.constexpr = False,
 ):
     """One split of one (row, KV head): keys ``[S + split * keys_per_split, ...)`` of the page region.
 
@@ -222,109 +375,26 @@ def _page_decode_kernel(
     else:
         row_pos = page_end
 
-    m_i = gl.full([NW, 8], float("-inf"), gl.float32, HEADS)
-    l_acc = gl.zeros([NW, NT * 16, 8], gl.float32, MMA)
-    pm_acc = gl.zeros([NW, NT * 16, 8], gl.float32, MMA)
-    o = gl.zeros([NW, D, 8], gl.float32, MMA)
-    # software pipelined by hand: block i+1's metadata (and codes, STAGES == 1) and block i+2's pages are
-    # loaded before block i is computed, so that no load waits for the block-table load it depends on;
-    # with STAGES > 1 the codes travel by cp.async through a ring of STAGES blocks in shared memory (each
-    # thread reads back only the bytes it copied itself)
-    tpage = _tile_pages(lo, hi, S, bt_row, wr, PS)
-    kmeta, vmeta = _load_meta(lo, hi, S, tpage, bt_row, km_h, vm_h, sm_p, sm_s, key_in_block, PS, NT, KEYS, WIDE)
-    tpage_n = _tile_pages(lo + BLOCK, hi, S, bt_row, wr, PS)
-    if STAGES == 1:
-        waddr, wok = _code_offsets(lo, hi, S, tpage, sc_p, sc_s, wr, word_in_group, PS, WIDE)
-        # no ``other``: any bits are valid codes, and keys past ``hi`` are masked out of S and P
-        kwords = gl.load(kc_h + waddr, mask=wok)
-        vwords = gl.load(vc_h + waddr, mask=wok)
+    if MASK_KIND == 1 and not MASK_HEADS and MASK_BOUNDS:
+        # a bool mask row every head shares (a model's [B, 1, 1, L]) with its bounds: where it is one interval of
+        # visible keys (what models pass), two compares a key; otherwise a byte a key (a loop of its own)
+        first = gl.load(mb_ptr + b * smb_b)
+        last = gl.load(mb_ptr + b * smb_b + 1)
+        if gl.load(mb_ptr + b * smb_b + 2) != 0:
+            m_i, l_acc, pm_acc, o = _page_loop(
+                qq_ptr, q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
+                sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, last, wr, word_in_group, key_in_block, heads,
+                G, D, PS, NW, NT, 3, SUBNORMAL, WIDE, STAGES, MASK_HEADS)
+        else:
+            m_i, l_acc, pm_acc, o = _page_loop(
+                qq_ptr, q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
+                sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, last, wr, word_in_group, key_in_block, heads,
+                G, D, PS, NW, NT, 1, SUBNORMAL, WIDE, STAGES, MASK_HEADS)
     else:
-        SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, NT * NW, D], SMEM)
-        vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, NT * NW, D], SMEM)
-        for st in gl.static_range(STAGES - 1):
-            j_st = lo + st * BLOCK
-            waddr, wok = _code_offsets(j_st, hi, S, _tile_pages(j_st, hi, S, bt_row, wr, PS), sc_p, sc_s, wr,
-                                       word_in_group, PS, WIDE)
-            _copy_to_shared(kbuf.index(st), kc_h + waddr, mask=wok)
-            _copy_to_shared(vbuf.index(st), vc_h + waddr, mask=wok)
-            async_copy.commit_group()
-        tpage_c = _tile_pages(lo + (STAGES - 1) * BLOCK, hi, S, bt_row, wr, PS)
-    it = 0
-    for j0 in range(lo, hi, BLOCK):
-        tpage_nn = _tile_pages(j0 + 2 * BLOCK, hi, S, bt_row, wr, PS)
-        km_n, vm_n = _load_meta(j0 + BLOCK, hi, S, tpage_n, bt_row, km_h, vm_h, sm_p, sm_s, key_in_block, PS, NT, KEYS,
-                                WIDE)
-        if STAGES == 1:
-            waddr, wok = _code_offsets(j0 + BLOCK, hi, S, tpage_n, sc_p, sc_s, wr, word_in_group, PS, WIDE)
-            kw_n = gl.load(kc_h + waddr, mask=wok)
-            vw_n = gl.load(vc_h + waddr, mask=wok)
-        else:
-            tpage_cn = _tile_pages(j0 + STAGES * BLOCK, hi, S, bt_row, wr, PS)
-            waddr, wok = _code_offsets(j0 + (STAGES - 1) * BLOCK, hi, S, tpage_c, sc_p, sc_s, wr, word_in_group, PS,
-                                       WIDE)
-            st_in = (it + STAGES - 1) % STAGES
-            _copy_to_shared(kbuf.index(st_in), kc_h + waddr, mask=wok)
-            _copy_to_shared(vbuf.index(st_in), vc_h + waddr, mask=wok)
-            async_copy.commit_group()
-            async_copy.wait_group(STAGES - 1)  # block i has landed
-            kwords = kbuf.index(it % STAGES).load(WL)
-            vwords = vbuf.index(it % STAGES).load(WL)
-            tpage_c = tpage_cn
-        key = j0 + key_in_block
-        kok = (key < hi) & (key <= row_pos)
-        if MASK_KIND == 1 and not MASK_HEADS:  # one mask row for every head (a model's usual mask): a load a key
-            kin = key < mask_len
-            mv = gl.load(mask_ptr + b * smk_b + gl.where(kin, key, 0) * smk_j, mask=kok & kin, other=0)
-            kok = kok & kin & (mv != 0)
-        ksc, kmn = _meta_pair(kmeta)
-        vsc, vmn = _meta_pair(vmeta)
-        if SUBNORMAL:
-            ksc = ksc * SUBNORMAL_UNIT
-
-        k_op = _unpack(kwords, NW, NT, D, 0, A_OP, SUBNORMAL)
-        s = mma_v2(k_op, q_op, gl.zeros([NW, NT * 16, 8], gl.float32, MMA))
-        s = s * gl.expand_dims(ksc, 2) + gl.expand_dims(kmn, 2) * gl.expand_dims(qsum, 1)
-        vis = gl.expand_dims(kok, 2)
-        if MASK_KIND == 1 and MASK_HEADS:
-            key3 = gl.expand_dims(key, 2)
-            in_mask = key3 < mask_len
-            mptr = mask_ptr + b * smk_b + (h * G + gl.expand_dims(gl.expand_dims(heads, 0), 1)) * smk_h \
-                + gl.where(in_mask, key3, 0) * smk_j
-            hmask = gl.expand_dims(gl.expand_dims(heads, 0), 1) < G
-            mv = gl.load(mptr, mask=vis & in_mask & hmask, other=0)
-            vis = vis & in_mask & (mv != 0)
-        s = gl.where(vis, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        v_op = _unpack(vwords, NW, NT, D, 1, A_OP, SUBNORMAL)
-        if NW == 1:
-            # one warp a program: the state is rescaled only when some head's running max grew, which
-            # after the first blocks is rare (the test is a warp reduction, the branch warp-uniform)
-            if gl.max(gl.max((m_new > m_i).to(gl.int32), axis=1), axis=0) > 0:
-                alpha = gl.expand_dims(gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new)), 1)
-                l_acc = l_acc * alpha
-                pm_acc = pm_acc * alpha
-                o = o * alpha
-                m_i = m_new
-            p = gl.exp2(s - gl.expand_dims(gl.where(m_i == float("-inf"), 0.0, m_i), 1))
-            l_acc = l_acc + p
-            pm_acc = pm_acc + gl.where(vis, p * gl.expand_dims(vmn, 2), 0.0)
-            pv = gl.where(vis, p * gl.expand_dims(vsc, 2), 0.0).to(gl.float16)
-            o = mma_v2(v_op, gl.convert_layout(pv, B_OP), o)
-        else:
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.expand_dims(gl.exp2(m_i - m_safe), 1)
-            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-            l_acc = l_acc * alpha + p
-            pm_acc = pm_acc * alpha + gl.where(vis, p * gl.expand_dims(vmn, 2), 0.0)
-            pv = gl.where(vis, p * gl.expand_dims(vsc, 2), 0.0).to(gl.float16)
-            o = mma_v2(v_op, gl.convert_layout(pv, B_OP), o * alpha)
-            m_i = m_new
-        kmeta, vmeta, tpage_n = km_n, vm_n, tpage_nn
-        if STAGES == 1:
-            kwords, vwords = kw_n, vw_n
-        it += 1
-
+        m_i, l_acc, pm_acc, o = _page_loop(
+            qq_ptr, q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
+            sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, 0, 0, wr, word_in_group, key_in_block, heads,
+            G, D, PS, NW, NT, MASK_KIND, SUBNORMAL, WIDE, STAGES, MASK_HEADS)
     # combine the warps, then write this split's partial state (rotated basis, channel order)
     if SUBNORMAL:  # value channel c came out as 4^k c 2^-24
         oc_ = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
@@ -349,14 +419,20 @@ def _page_decode_kernel(
 
 def launch_pages(grid, qq, pos, lens, c0, kw, km, vw, vm, block_table, mask, mask_strides, mask_len, part_m, part_l,
                  part_o, keys_per_split, S, W, NS, H, G, D, PS, has_chunk, mask_kind, is_causal, num_warps=4, tiles=1,
-                 subnormal=True, stages=1):
-    """Launch :func:`_page_decode_kernel` (arguments as the Triton page region's; pools as int32 views)."""
+                 subnormal=True, stages=1, mask_bounds=None):
+    """Launch :func:`_page_decode_kernel` (arguments as the Triton page region's; pools as int32 views).
+
+    ``mask_bounds``: ``(first, last, one_interval)`` int32 ``[B, 3]`` of a bool mask whose rows every head
+    shares (``triton_attention._mask_bounds``); where a row is one interval the kernel reads its bounds instead
+    of a byte a key. Without it such a mask is read a byte a key."""
+    use_bounds = mask_kind == 1 and mask_strides[1] == 0 and mask_bounds is not None
+    bounds = mask_bounds if use_bounds else lens
     return _page_decode_kernel[grid](
         qq, pos, pos.stride(0), lens, lens.stride(0), c0, kw, km, vw, vm, block_table, block_table.stride(0),
         kw.stride(0), kw.stride(1), km.stride(0), km.stride(1),
-        mask, mask_strides[0], mask_strides[1], mask_strides[3], mask_len,
+        mask, mask_strides[0], mask_strides[1], mask_strides[3], mask_len, bounds, bounds.stride(0),
         part_m, part_l, part_o, keys_per_split, S, W, NS,
         H=H, G=G, D=D, PS=PS, NW=num_warps, NT=tiles, HAS_CHUNK=has_chunk, MASK_KIND=mask_kind,
         IS_CAUSAL=bool(is_causal), SUBNORMAL=bool(subnormal), WIDE=max(kw.numel(), km.numel()) >= 2**31,
-        STAGES=stages, MASK_HEADS=mask_kind == 1 and mask_strides[1] != 0, num_warps=num_warps,
+        STAGES=stages, MASK_HEADS=mask_kind == 1 and mask_strides[1] != 0, MASK_BOUNDS=use_bounds, num_warps=num_warps,
     )

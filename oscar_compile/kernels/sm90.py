@@ -24,7 +24,7 @@ ATTENTION_POINTERS = {
     "qq_ptr": "*fp16", "pos_ptr": "*i64", "len_ptr": "*i64", "c0_ptr": "*i64", "cend_ptr": "*i64",
     "kch_ptr": "*bf16", "vch_ptr": "*bf16", "kc_ptr": "*i32", "km_ptr": "*fp16", "vc_ptr": "*i32", "vm_ptr": "*fp16",
     "ks_ptr": "*bf16", "vs_ptr": "*bf16", "kr_ptr": "*bf16", "vr_ptr": "*bf16", "bt_ptr": "*i32", "mask_ptr": "*bf16",
-    "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_o_ptr": "*fp32",
+    "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_o_ptr": "*fp32", "mb_ptr": "*i32",
     # merge / query kernels
     "bo_ptr": "*fp32", "muv_ptr": "*fp32", "out_ptr": "*bf16", "q_ptr": "*bf16", "bq_ptr": "*fp32",
 }
@@ -71,13 +71,14 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4, num_s
 
 
 def compile_attention(d=128, g=4, block_m=16, block_n=128, region=0, prefill=False, unpack="asm", ablate=0,
-                      num_warps=4, num_stages=2, ng=1, mask_kind=0, maxnreg=None, causal=None, frag=True):
+                      num_warps=4, num_stages=2, ng=1, mask_kind=0, maxnreg=None, causal=None, frag=True,
+                      mask_bounds=False):
     from .triton_attention import _attn_kernel
 
     const = dict(H=8, G=g, D=d, NG=ng, PS=16, HAS_RING=True, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=prefill if causal is None else causal,
                  MASK_KIND=mask_kind, HAS_CHUNK=prefill, DT=tl.float16, KC=min(d, 64), ALIGNED=True, ABLATE=ablate,
                  USE_ASM=unpack == "asm", REGION=region, FRAG=frag and d % 64 == 0, DENSE_CHUNK=prefill,
-                 CDT=tl.bfloat16 if prefill else tl.float16)
+                 CDT=tl.bfloat16 if prefill else tl.float16, MASK_BOUNDS=mask_bounds)
     return compile_sm90(_attn_kernel, const, ATTENTION_POINTERS, num_warps, num_stages, maxnreg)
 
 
@@ -127,7 +128,7 @@ def compile_store(d=128, ng=1, clip=True, frag=True):
 
 
 def compile_gluon_decode(d=128, g=4, mask_kind=1, causal=True, num_warps=None, tiles=None, subnormal=True,
-                         stages=None, wide=False, mask_heads=True):
+                         stages=None, wide=False, mask_heads=True, mask_bounds=False):
     """The Gluon decode kernel of the page region (:mod:`.gluon_decode`) for sm_90."""
     from . import triton_attention as ta
     from .gluon_decode import _page_decode_kernel
@@ -135,8 +136,9 @@ def compile_gluon_decode(d=128, g=4, mask_kind=1, causal=True, num_warps=None, t
     cfg = ta.GLUON or ta.GLUON_WIDE
     num_warps, tiles, stages = num_warps or cfg.warps, tiles or cfg.tiles, stages or cfg.stages
     const = dict(H=8, G=g, D=d, PS=16, NW=num_warps, NT=tiles, HAS_CHUNK=True, MASK_KIND=mask_kind, IS_CAUSAL=causal,
-                 SUBNORMAL=subnormal, WIDE=wide, STAGES=stages, MASK_HEADS=mask_heads)
-    pointers = dict(ATTENTION_POINTERS, km_ptr="*i32", vm_ptr="*i32", mask_ptr="*u8")  # metadata as (scale|min) words
+                 SUBNORMAL=subnormal, WIDE=wide, STAGES=stages, MASK_HEADS=mask_heads,
+                 MASK_BOUNDS=mask_bounds)
+    pointers = dict(ATTENTION_POINTERS, km_ptr="*i32", vm_ptr="*i32", mask_ptr="*u8", mb_ptr="*i32")  # metadata as (scale|min) words
     return compile_sm90(_page_decode_kernel, const, pointers, num_warps, divisible={"sc_p", "sc_s", "sm_p", "sbt_b"})
 
 
@@ -160,6 +162,8 @@ def launch_variants(d: int) -> dict:
         **({"gluon decode d=128, no mask, G=8": lambda: compile_gluon_decode(d=128, g=8, mask_kind=0, causal=False),
             "gluon decode d=128, 2 tiles": lambda: compile_gluon_decode(d=128, tiles=2),
             "gluon decode d=128, one mask row for all heads": lambda: compile_gluon_decode(d=128, mask_heads=False),
+            "gluon decode d=128, one mask row with bounds": lambda: compile_gluon_decode(d=128, mask_heads=False,
+                                                                                        mask_bounds=True),
             "gluon decode d=128, 4 warps (narrow)": lambda: compile_gluon_decode(d=128, num_warps=4, stages=1),
             "gluon decode d=128, int64 page offsets": lambda: compile_gluon_decode(d=128, wide=True)}
            if d == 128 else {}),
@@ -169,6 +173,10 @@ def launch_variants(d: int) -> dict:
 def extra_variants() -> dict:
     return {
         "pages, bool mask": lambda: compile_attention(d=64, block_m=32, region=0, prefill=True, mask_kind=1),
+        "decode bf16 keys, bool mask row with bounds": lambda: compile_attention(
+            d=128, block_m=16, block_n=64, region=1, mask_kind=1, causal=True, mask_bounds=True),
+        "decode bf16 keys, bool mask row with bounds, not causal": lambda: compile_attention(
+            d=128, block_m=16, block_n=64, region=1, mask_kind=1, causal=False, mask_bounds=True),  # transformers
         "bf16 keys, additive mask": lambda: compile_attention(d=128, block_m=16, block_n=64, region=1, mask_kind=2),
         "prefill bf16 keys, bool mask": lambda: compile_attention(d=128, block_m=64, block_n=64, region=1, prefill=True,
                                                                   mask_kind=1, causal=False),  # transformers' prefill

@@ -343,12 +343,12 @@ def _attn_kernel(
     sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
     mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
     part_m_ptr, part_l_ptr, part_o_ptr,
-    M_TOTAL, keys_per_split, bf16_per_split, S, W, NSPLIT, NS,
+    M_TOTAL, keys_per_split, bf16_per_split, S, W, NSPLIT, NS, mb_ptr, smb_b,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, PS: tl.constexpr, HAS_RING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_CHUNK: tl.constexpr, DT: tl.constexpr, KC: tl.constexpr, ALIGNED: tl.constexpr, ABLATE: tl.constexpr,
     USE_ASM: tl.constexpr, REGION: tl.constexpr, FRAG: tl.constexpr, DENSE_CHUNK: tl.constexpr = False,
-    CDT: tl.constexpr = tl.float16, SKIP_EMPTY: tl.constexpr = True,
+    CDT: tl.constexpr = tl.float16, SKIP_EMPTY: tl.constexpr = True, MASK_BOUNDS: tl.constexpr = False,
 ):
     """One split of one row block: REGION 0 = INT2 pages (splits ``0 .. NSPLIT-1``), 1 = BF16 keys
     (splits ``NSPLIT ..``). Two launches, so each region's code gets registers of its own.
@@ -426,12 +426,25 @@ def _attn_kernel(
         if IS_CAUSAL:  # keys past the block's newest query position are never visible: stop there
             j_max = tl.max(tl.where(row_ok, row_pos, -1), 0)
             u_hi = tl.minimum(u_hi, tl.where(j_max < n_sink, j_max + 1, n_sink + tl.maximum(j_max + 1 - page_end, 0)))
+        if MASK_BOUNDS:  # a bool row every head shares, with its (first, last, one interval) bounds (decode)
+            m_first = tl.load(mb_ptr + b * smb_b)
+            m_last = tl.load(mb_ptr + b * smb_b + 1)
+            m_interval = tl.load(mb_ptr + b * smb_b + 2) != 0
         for u0 in range(u_lo, u_hi, BLOCK_N):
             u = u0 + nblk
             key_ok = u < u_hi
             j = tl.where(u < n_sink, u, page_end + (u - n_sink))
-            vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
-                                    mask_len, IS_CAUSAL, MASK_KIND)
+            if MASK_BOUNDS:
+                if m_interval:  # two compares a key instead of a byte a key and row
+                    vis, bias = _visibility(j, key_ok & (j >= m_first) & (j <= m_last), row_t, row_pos, row_hq, b,
+                                            mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len, IS_CAUSAL, 0)
+                    vis = tl.broadcast_to(vis, [BLOCK_M, BLOCK_N])  # [1, N] when not causal: both branches [M, N]
+                else:
+                    vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t,
+                                            smk_j, mask_len, IS_CAUSAL, MASK_KIND)
+            else:
+                vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
+                                        mask_len, IS_CAUSAL, MASK_KIND)
             vis = vis & (row_pos >= 0)[:, None]  # padding rows (their output is zero)
             # A block no row sees (the upper triangle of a masked prefill, padding) costs no loads or dots. A decode
             # step sees every block (SKIP_EMPTY off): without the branch the loads can be pipelined across blocks.
@@ -611,7 +624,10 @@ def _mask_bounds(mask4: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], 3, dtype=torch.int32, device=mask4.device)
     if rows.shape[0]:
-        _mask_rows_kernel[(rows.shape[0],)](rows, rows.stride(0), out, n, BLOCK=1024)
+        # one program a row, in few wide steps: a decode step reads it once a layer, and 1 KB steps made it
+        # ~1 ms of a 36 ms step at 93 rows x 32K
+        block = min(8192, max(1024, triton.next_power_of_2(n)))
+        _mask_rows_kernel[(rows.shape[0],)](rows, rows.stride(0), out, n, BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return out.reshape(*lead, 3)
 
 
@@ -738,6 +754,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs n
 @functools.lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# Decode steps with at least this many (row, KV head) programs read a bool mask shared by every head as its rows'
+# bounds (None: the SM count); tests lower it to take that path at small sizes.
+MASK_BOUNDS_MIN_PROGRAMS: int | None = None
 
 
 def _sm_count(device: torch.device) -> int:
@@ -1225,6 +1246,15 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     m_total, ns = plan.m_total, plan.ns
     smk = mask.stride() if mask is not None else (0, 0, 0, 0)
     rows = b * m_total  # a KV head's query rows, over all batch rows
+    bounds = None
+    min_rows = _sm_count(q.device) if MASK_BOUNDS_MIN_PROGRAMS is None else MASK_BOUNDS_MIN_PROGRAMS
+    if mask_kind == 1 and smk[1] == 0 and plan.tile_tokens == 1 and not ablate and b * h >= min_rows:
+        # a decode step's bool mask row, shared by every head (a model's [B, 1, 1, L]): its visible interval,
+        # found once and read by the page and BF16 launches as two bounds a row where the row is one interval.
+        # Only where rows fill the GPU: finding the bounds is one program a row (a 128K row alone took ~25 us a
+        # layer, more than reading the mask a byte a key saves at batch 1).
+        bounds = _mask_bounds(mask[:, :1, :1]).reshape(b, 3)
+    LAST_LAUNCH["mask_bounds"] = bounds is not None
     _rotate_queries(plan, q, bq, qq, rows, scale, h, g, d)
     args = (
         qq, pos, pos.stride(0), lens, lens.stride(0),
@@ -1234,7 +1264,7 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
         k_sink.stride(0), k_sink.stride(1), k_sink.stride(2), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
         q if mask is None else mask, smk[0], smk[1], smk[2], smk[3], mask_len,
         part_m, part_l, part_o, m_total, plan.keys_per_split, plan.bf16_per_split, geo.num_sinks, geo.window,
-        plan.nsplit, ns,
+        plan.nsplit, ns, lens if bounds is None else bounds, 0 if bounds is None else bounds.stride(0),
     )
     meta = dict(H=h, G=g, D=d, NG=geo.num_groups, PS=geo.page_size, HAS_RING=geo.window > 0,
                 IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_CHUNK=has_chunk, DT=dt, KC=min(d, 64),
@@ -1251,7 +1281,7 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
             (b * h, plan.nsplit), qq, pos, lens, c0, kw, k_meta.view(torch.int32), vw, v_meta.view(torch.int32),
             block_table, q if mask is None else mask, smk, mask_len, part_m, part_l, part_o, plan.keys_per_split,
             geo.num_sinks, geo.window, ns, h, g, d, geo.page_size, has_chunk, mask_kind, is_causal,
-            num_warps=cfg.warps, tiles=cfg.tiles, stages=cfg.stages)
+            num_warps=cfg.warps, tiles=cfg.tiles, stages=cfg.stages, mask_bounds=bounds)
     else:
         LAST_LAUNCH["attention"] = _attn_kernel[(b * h, plan.page_m_blocks, plan.nsplit)](
             *args, REGION=0, BLOCK_M=plan.page_m, BLOCK_N=plan.block_n, **meta, **page_opts)
@@ -1260,7 +1290,7 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     LAST_LAUNCH["dense_chunk"] = dense_chunk
     LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, plan.m_blocks, plan.nb)](
         *args, REGION=1, BLOCK_M=plan.block_m, BLOCK_N=BF16_BLOCK_N, num_warps=bf16_warps or num_warps or 4,
-        DENSE_CHUNK=dense_chunk, CDT=cdt, SKIP_EMPTY=plan.tile_tokens > 1, **meta)
+        DENSE_CHUNK=dense_chunk, CDT=cdt, SKIP_EMPTY=plan.tile_tokens > 1, MASK_BOUNDS=bounds is not None, **meta)
     if dense_chunk:
         cm = chunk_block_m or plan.block_m
         LAST_LAUNCH["attention_chunk"] = _attn_kernel[(b * h, triton.cdiv(m_total, cm), 1)](

@@ -238,6 +238,45 @@ def test_prefill_mixed_interval_and_scattered_mask_rows_small():
     assert rel_error(got, attention_reference(*a)) < ATTN_TOL
 
 
+def test_decode_with_one_mask_row_for_every_head_small(monkeypatch):
+    # A decode step's bool mask [B, 1, 1, L] (what models pass): its rows' bounds are found once and read as two
+    # compares a key where a row is one interval (left padding; a window in the middle), key by key where it has
+    # holes; the sinks, ring and pages all see it. Against the reference, with odd lengths and a 4-key page.
+    # (Bounds only where rows fill the GPU: the threshold is lowered here, and the default path checked too.)
+    from oscar_compile.kernels import triton_attention as ta
+
+    monkeypatch.setattr(ta, "MASK_BOUNDS_MIN_PROGRAMS", 0)
+    gen = torch.Generator().manual_seed(21)
+    b, h, gqa, d = 3, 2, 2, 64
+    lengths = (37, 29, 41)
+    t = max(lengths)
+    ref, _ = twin_caches(h, d, b, t + 1, 2, 5, 4, None, torch.float32, "invertible", 0.95, 21, device=DEV)
+    pos = torch.stack([torch.where(torch.arange(t) < n, torch.arange(t), -1) for n in lengths]).to(DEV)
+    k, v = (torch.randn(b, h, t, d, generator=gen).to(DEV) for _ in range(2))
+    store_reference(*ref.store_args(0, k, v, pos))
+    q = torch.randn(b, h * gqa, 1, d, generator=gen).to(DEV)
+    p1 = torch.tensor(lengths, device=DEV)[:, None] - 1
+    j = torch.arange(t)
+    holes = torch.rand(t, generator=gen) > 0.4
+    holes[0] = True
+    for rows in ([j >= 3, (j >= 1) & (j < 20), j >= 0], [j >= 3, holes, (j >= 5) & (j < 33)]):
+        mask = torch.stack(rows)[:, None, None]
+        a = ref.attention_args(0, q, p1, p1[:, 0] + 1, mask.to(DEV), True)
+        got = attention_triton(*a)
+        assert LAST_LAUNCH["mask_bounds"]
+        assert rel_error(got, attention_reference(*a)) < ATTN_TOL
+    # a mask row per head is read key by key (no bounds); so is a shared row where the rows do not fill the GPU
+    a = ref.attention_args(0, q, p1, p1[:, 0] + 1, mask.expand(b, h * gqa, 1, t).contiguous().to(DEV), True)
+    got = attention_triton(*a)
+    assert not LAST_LAUNCH["mask_bounds"]
+    assert rel_error(got, attention_reference(*a)) < ATTN_TOL
+    monkeypatch.setattr(ta, "MASK_BOUNDS_MIN_PROGRAMS", None)
+    a = ref.attention_args(0, q, p1, p1[:, 0] + 1, mask.to(DEV), True)
+    got = attention_triton(*a)
+    assert not LAST_LAUNCH["mask_bounds"]  # 6 programs, fewer than the SMs (8 off the GPU)
+    assert rel_error(got, attention_reference(*a)) < ATTN_TOL
+
+
 def test_prefill_fused_without_reading_back_under_graph_capture_small(monkeypatch):
     # Under CUDA-graph capture nothing may be read back: the gathered prefix takes a row's whole capacity and the
     # bool mask's intervals are never checked on the host; same result (the GPU suite captures it for real)
@@ -470,17 +509,24 @@ def test_gluon_decode_launch_shapes_gpu(cfg, monkeypatch):
     from oscar_compile.kernels import triton_attention as ta
 
     monkeypatch.setattr(ta, "GLUON", ta.GluonConfig(**cfg))
-    for d, gqa, seed in ((128, 4, 1), (64, 8, 2)):
-        _run_case(h=8, gqa=gqa, d=d, lengths=(1000, 333, 5000, 77), s=64, w=256, ps=16, decode_steps=2, clip=0.95,
+    for d, gqa, seed, ps in ((128, 4, 1, 16), (64, 8, 2, 32)):  # page size 32: two tiles a page
+        _run_case(h=8, gqa=gqa, d=d, lengths=(1000, 333, 5000, 77), s=64, w=256, ps=ps, decode_steps=2, clip=0.95,
                   kind="invertible", dtype=torch.bfloat16, seed=seed, page_kernel="gluon")
         assert LAST_LAUNCH["plan"].page_kernel == "gluon"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads", [32, 1], ids=["mask_per_head", "one_mask_row"])
-def test_gluon_decode_with_bool_mask_and_page_size_32_gpu(heads):
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+@pytest.mark.parametrize("heads, interval", [(32, False), (1, False), (1, True)],
+                         ids=["mask_per_head", "one_mask_row", "one_interval_row"])
+def test_gluon_decode_with_bool_mask_and_page_size_32_gpu(heads, interval, wide, monkeypatch):
     # a mask row per query head (read a key and head), or one row every head shares (a model's [B, 1, 1, L]
-    # mask: read a key)
+    # mask): read a key where it has holes, as two bounds where it is one interval (left padding; row 1 sees
+    # keys 300..1199 only); both launch shapes (two tiles a block: a key's page is its tile's, page size 32)
+    from oscar_compile.kernels import triton_attention as ta
+
+    monkeypatch.setattr(ta, "GLUON", ta.GLUON_WIDE if wide else ta.GLUON_NARROW)
+    monkeypatch.setattr(ta, "MASK_BOUNDS_MIN_PROGRAMS", 0 if interval else None)  # bounds at 3 rows too
     gen = torch.Generator().manual_seed(3)
     h, gqa, d = 8, 4, 128
     ref, _ = twin_caches(h, d, 3, 2200, 64, 256, 32, None, torch.bfloat16, "invertible", 0.95, 3, device=DEV)
@@ -491,11 +537,15 @@ def test_gluon_decode_with_bool_mask_and_page_size_32_gpu(heads):
     store_reference(*ref.store_args(0, k, v, pos))
     q1 = torch.randn(3, h * gqa, 1, d, generator=gen).to(DEV, torch.bfloat16)
     p1 = torch.tensor(lengths, device=DEV)[:, None] - 1
-    keep = torch.rand(3, heads, 1, 2200, generator=gen) > 0.3
-    keep[..., 0] = True
+    if interval:
+        j = torch.arange(2200)
+        keep = torch.stack([j >= 37, (j >= 300) & (j < 1200), j >= 0])[:, None, None].expand(3, heads, 1, 2200)
+    else:
+        keep = torch.rand(3, heads, 1, 2200, generator=gen) > 0.3
+        keep[..., 0] = True
     a = ref.attention_args(0, q1, p1, p1[:, 0] + 1, keep.to(DEV), True)
     out = attention_triton(*a, page_kernel="gluon")
-    assert LAST_LAUNCH["plan"].page_kernel == "gluon"
+    assert LAST_LAUNCH["plan"].page_kernel == "gluon" and LAST_LAUNCH["mask_bounds"] == (interval and heads == 1)
     assert rel_error(out, attention_reference(*a)) < ATTN_TOL
 
 

@@ -63,6 +63,27 @@ def test_int2_compiled_logits_equal_the_ops_called_directly(family):
     assert rel_error(got, bf16) > 1e-3  # and INT2 really was used
 
 
+def test_bf16_layers_keep_every_token_of_those_layers_exact():
+    # bf16_layers=(0,): layer 0's storage has no INT2 pages (quantize off), the others do; logits differ from a
+    # run with every layer in INT2, and from BF16 (INT2 was used elsewhere)
+    opts = dict(num_sinks=2, window=3, page_size=4, inductor=False)
+    model = tiny_model("llama")
+    ids = _ids()
+    runs = {}
+    for layers in ((), (0,), (0, 1)):
+        torch._dynamo.reset()
+        backend = oscar_backend(bf16_layers=layers, **opts)
+        runs[layers] = prefill_and_decode(torch.compile(model, backend=backend), ids,
+                                          make_hf_cache("oscar", model, 32, 2), STEPS)
+        kept = {key[0][1]: c.quantize for key, c in backend.storage.items()}
+        assert kept == {i: i not in layers for i in range(model.config.num_hidden_layers)}
+    exact = prefill_and_decode(model, ids, make_hf_cache("dynamic", model, 32, 2), STEPS)
+    assert rel_error(runs[(0,)], runs[()]) > 1e-4 and rel_error(runs[(0,)], exact) > 1e-4
+    torch.testing.assert_close(runs[(0, 1)], exact, rtol=1e-4, atol=1e-4)  # every layer BF16 (fp32 here): exact
+    with pytest.raises(ValueError, match="bf16_layers"):
+        oscar_backend(bf16_layers=0)
+
+
 def _int2_and_ops_reference(model: TinyDecoder, run, **compile_kw):
     """``run`` through the INT2 backend, and through the oscar ops called directly (``model.reference``)."""
     torch._dynamo.reset()
