@@ -23,6 +23,7 @@ __all__ = [
     "OscarCache",
     "explain",
     "calibrate",
+    "check_layers",
     "load_artifacts",
     "Artifacts",
 ]
@@ -33,7 +34,7 @@ def __getattr__(name):  # transformers-dependent pieces load on first use
         from .hf import OscarCache
 
         return OscarCache
-    if name in ("calibrate", "load_artifacts", "Artifacts", "token_batches"):
+    if name in ("calibrate", "check_layers", "load_artifacts", "Artifacts", "token_batches"):
         from . import calibration
 
         return getattr(calibration, name)

@@ -98,8 +98,9 @@ class BackendOptions:
     sliding_storage: str = "ring"
     # Layers whose keys and values stay in BF16 (the ring holds every token, no INT2 pages): for a layer whose
     # INT2 error the calibration measures as an outlier (Qwen2.5-Coder-0.5B's layer 0 at 2K tokens). Each costs
-    # ~7x that layer's INT2 bytes; ``bits_per_element`` in the eval counts it.
-    bf16_layers: tuple = ()
+    # ~7x that layer's INT2 bytes; ``bits_per_element`` in the eval counts it. None: the artifact's (its
+    # long-context check, ``oscar_compile.calibration.check_layers``), else none; () keeps every layer INT2.
+    bf16_layers: tuple | None = None
 
 
 class OscarBackend:
@@ -115,6 +116,8 @@ class OscarBackend:
         if self.options.rotation not in ROTATIONS:
             raise ValueError(f"oscar_backend: rotation must be one of {ROTATIONS}, got {self.options.rotation!r}")
         layers = self.options.bf16_layers
+        if layers is None:
+            layers = artifacts.bf16_layers if artifacts is not None and hasattr(artifacts, "bf16_layers") else ()
         if isinstance(layers, int) or not all(isinstance(x, int) and x >= 0 for x in layers):
             raise ValueError(f"oscar_backend: bf16_layers must be layer indices (a tuple of ints >= 0), got {layers!r}")
         self.options.bf16_layers = tuple(sorted(set(layers)))

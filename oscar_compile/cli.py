@@ -95,7 +95,9 @@ def _eval(args) -> int:
     for seq in sorted({seq_of[n] for n in calibrated}):
         group = [n for n in calibrated if seq_of[n] == seq]
         # cached per (model, method, tokens, sequence length) like the demo's: a second eval run does not recalibrate
-        found, _ = cached_artifacts_for(model, tok, args.model, [base[n] for n in group], args.calib_tokens, seq_len=seq)
+        found, _ = cached_artifacts_for(model, tok, args.model, [base[n] for n in group], args.calib_tokens, seq_len=seq,
+                                        check_len=args.check_len, check_seqs=args.check_seqs, num_sinks=args.sinks,
+                                        window=args.window)
         artifacts.update({n: found[base[n]] for n in group})
     model.to(device=device, dtype=dtype)
     methods = []
@@ -109,6 +111,9 @@ def _eval(args) -> int:
             options = {"group_size": args.group_size} if args.group_size else {}
             if bf16_layers[n]:
                 options["bf16_layers"] = bf16_layers[n]
+            elif artifacts[n].bf16_layers:  # the long-context check's outliers (--check-len)
+                options["bf16_layers"] = artifacts[n].bf16_layers
+                label += f" BF16 L{','.join(map(str, artifacts[n].bf16_layers))}"
             methods.append(Method(label + (f" g{args.group_size}" if args.group_size else ""), "oscar", artifacts[n],
                                   options))
     cfg = EvalConfig(ppl_contexts=ints(args.ppl_contexts), ppl_decode=args.ppl_decode, ppl_sequences=args.ppl_sequences,
@@ -224,7 +229,7 @@ def _tokenize(tok, model, text: str):
 def _calibrate(args) -> int:
     import time
 
-    from .calibration import collect_statistics, derive_artifacts, token_batches
+    from .calibration import check_layers, collect_statistics, derive_artifacts, token_batches
 
     t0 = time.perf_counter()
     model, tok = _load_for_cli(args.model)
@@ -232,11 +237,21 @@ def _calibrate(args) -> int:
     ids = _tokenize(tok, model, text)
     per_batch = args.seq_len * args.batch_size
     need = args.tokens + per_batch  # plus one held-out batch for the clip search
+    check = args.check_len * args.check_seqs
+    if args.check_len < 0 or args.check_seqs < 1:
+        raise SystemExit("oscar calibrate: --check-len must be >= 0 and --check-seqs >= 1")
+    if check and ids.numel() < need + check:
+        raise SystemExit(f"oscar calibrate: {desc} has {ids.numel()} tokens, fewer than the {need} to calibrate on "
+                         f"plus the {check} of the long-context check (--check-len 0 skips it)")
     if ids.numel() < need:
         print(f"oscar calibrate: {desc} has {ids.numel()} tokens, fewer than the {need} asked for: using all of it")
     batches = token_batches(ids, args.seq_len, args.batch_size, max_tokens=need)
     stats = collect_statistics(model, batches, data_description=desc, skip_first=args.skip_first)
     artifacts = derive_artifacts(stats, args.method, group_size=args.group_size, progress=True)
+    if check and artifacts.options.get("clip_grid"):  # the clipped methods: the check measures their clips
+        start = need  # after every calibration token
+        long = [ids[start + i * args.check_len:start + (i + 1) * args.check_len][None] for i in range(args.check_seqs)]
+        artifacts = check_layers(model, artifacts, long, num_sinks=args.sinks, window=args.window)
     out = artifacts.save(args.out)
     print(artifacts.summary())
     print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
@@ -266,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--haystack", default="paul-graham", help="filler text of the retrieval prompts: a file or a packaged text")
     ev.add_argument("--methods", default="bf16,kivi,identity,hadamard,oscar,default")
     ev.add_argument("--calib-tokens", type=int, default=32768)
+    ev.add_argument("--check-len", type=int, default=2048,
+                    help="check every layer of the calibrated methods on sequences this long, as `oscar calibrate` "
+                         "does (0: none); the outliers then stay in BF16 (the artifact's bf16_layers)")
+    ev.add_argument("--check-seqs", type=int, default=2)
     ev.add_argument("--calib-seq-len", type=int, default=512,
                     help="calibration sequence length; a method written name@S overrides it (e.g. default@4096)")
     ev.add_argument("--ppl-contexts", default="512,2048")
@@ -317,6 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--batch-size", type=int, default=4)
     cal.add_argument("--group-size", type=int, default=None)
     cal.add_argument("--skip-first", type=int, default=4, help="leading positions (attention sinks) left out of the statistics")
+    cal.add_argument("--check-len", type=int, default=2048,
+                     help="check every layer on sequences this long after calibrating (0: no check); outlier layers are "
+                          "kept in BF16 (the artifact's bf16_layers); use about the context you serve")
+    cal.add_argument("--check-seqs", type=int, default=2, help="sequences of the long-context check")
+    cal.add_argument("--sinks", type=int, default=64, help="BF16 sinks of the cache the check assumes")
+    cal.add_argument("--window", type=int, default=256, help="BF16 window of the cache the check assumes")
     cal.add_argument("--out", required=True, help="artifact directory to write")
     cal.set_defaults(func=_calibrate)
 

@@ -33,19 +33,45 @@ def calibration_text_name() -> str:
 
 
 def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens: int, progress: bool = True,
-                         seq_len: int = 512):
+                         seq_len: int = 512, check_len: int = 0, check_seqs: int = 2, num_sinks: int = 64,
+                         window: int = 256):
     """Artifacts of each method for ``model``, calibrated on the handbook (see :func:`calibration_text_name`)
     in sequences of ``seq_len`` tokens and cached under the user cache dir. The statistics are collected once,
-    for the methods not cached.
+    for the methods not cached. ``check_len``: also check every layer on ``check_seqs`` sequences of that many
+    tokens (the handbook's text after the calibration tokens; :func:`~.calibration.check_layers`, with the
+    cache's ``num_sinks`` and ``window`` exact), which keeps the outlier layers in BF16; cached apart from the
+    unchecked artifacts.
 
     Returns ``({method: Artifacts}, {methods loaded from the cache})``.
     """
     from .assets import cache_dir, load_text
-    from .calibration import ArtifactError, collect_statistics, derive_artifacts, load_artifacts, parse_method, token_batches
+    from .calibration import (ArtifactError, check_layers, collect_statistics, derive_artifacts, load_artifacts,
+                              parse_method, token_batches)
 
-    def path(method):
+    def path(method, checked=False):
         seq = "" if seq_len == 512 else f"-s{seq_len}"
-        return cache_dir() / "artifacts" / f"{model_name}-{parse_method(method).name}-{tokens}{seq}"
+        check = f"-c{check_len}x{check_seqs}-sw{num_sinks}_{window}" if checked else ""
+        return cache_dir() / "artifacts" / f"{model_name}-{parse_method(method).name}-{tokens}{seq}{check}"
+
+    if check_len:
+        found, cached = cached_artifacts_for(model, tok, model_name, methods, tokens, progress, seq_len)
+        calibrated = [m for m in found if parse_method(m).clip_search]  # the check measures the clipped methods
+        todo = [m for m in calibrated if not (path(m, True) / "oscar.json").exists()]
+        stream = tok(load_text(calibration_text_name()), return_tensors="pt").input_ids[0] if todo else None
+        start = tokens + seq_len * max(1, 2048 // seq_len)  # past every calibration token (statistics, held out)
+        if todo and stream.numel() < start + check_len * check_seqs:
+            raise ValueError(f"oscar: the calibration text has {stream.numel()} tokens, too few for a check of "
+                             f"{check_seqs} x {check_len} tokens after the {start} calibration tokens")
+        for m in calibrated:
+            if m in todo:
+                batches = [stream[start + i * check_len:start + (i + 1) * check_len][None] for i in range(check_seqs)]
+                found[m] = check_layers(model, found[m], batches, num_sinks=num_sinks, window=window, progress=progress)
+                found[m].save(path(m, True))
+                cached.discard(m)
+            else:
+                found[m] = load_artifacts(path(m, True))
+                found[m].validate(model)
+        return found, cached
 
     found, cached = {}, set()
     wanted = list(dict.fromkeys(methods))  # unique, in order

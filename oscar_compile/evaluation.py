@@ -65,7 +65,10 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
     ring_extra = 0 if method.kind == "bf16" else method.options.get("max_chunk", BackendOptions.max_chunk) - 1
     sliding_bits = sum(fp_bits * min(w + ring_extra, context) / context for w in slides.values())
     # full layers kept in BF16 (the backend's bf16_layers) hold every token in 16 bits
-    dense = len(set(method.options.get("bf16_layers", ())) - set(slides)) if method.kind != "bf16" else 0
+    kept = method.options.get("bf16_layers")
+    if kept is None:  # the backend's default: the artifact's (its long-context check)
+        kept = getattr(method.artifacts, "bf16_layers", ()) if method.artifacts is not None else ()
+    dense = len(set(kept) - set(slides)) if method.kind != "bf16" else 0
     return (full * (layers - len(slides) - dense) + fp_bits * dense + sliding_bits) / layers
 
 

@@ -67,6 +67,11 @@ class Artifacts:
         return {int(k): int(v) for k, v in self.fingerprint.get("sliding_windows", {}).items()}
 
     @property
+    def bf16_layers(self) -> tuple[int, ...]:
+        """Layers the long-context check (:func:`~.check.check_layers`) marked to keep in BF16 (empty if unchecked)."""
+        return tuple(int(i) for i in self.calibration.get("bf16_layers", ()))
+
+    @property
     def clip_ratios(self) -> list[tuple[float, float]]:
         return [(t.key_clip, t.value_clip) for t in self.layers]
 
@@ -196,6 +201,12 @@ class Artifacts:
         else:
             lines.append("layer  key clip  value clip")
             lines += [f"{i:>5}  {k:8.3f}  {v:10.3f}" for i, (k, v) in enumerate(self.clip_ratios)]
+        check = cal.get("check_relative_error")
+        if check:
+            worst = max((i for i, e in enumerate(check) if e), key=lambda i: max(check[i]))
+            lines.append(f"long-context check on {cal.get('check_tokens')} tokens in sequences of "
+                         f"{cal.get('check_seq_len')}: worst layer {worst} ({check[worst][0]:.3f} / {check[worst][1]:.3f}); "
+                         f"kept in BF16: {list(self.bf16_layers) or 'none'}")
         return "\n".join(lines)
 
 

@@ -32,6 +32,13 @@ def _causal(t: int, skip: int, device) -> torch.Tensor:
     return (i[None, :] <= i[:, None]) & (i[None, :] >= skip)
 
 
+def _int2_pairs(t: int, skip: int, window: int, device) -> torch.Tensor:
+    """``[T, T]``: whether query ``i`` reads key ``j`` from the INT2 pages, as in a decode step of a cache of
+    ``i + 1`` tokens: not a sink (``j >= skip``) and not among its last ``window`` tokens (``j <= i - window``)."""
+    i = torch.arange(t, device=device)
+    return (i[None, :] <= i[:, None] - window) & (i[None, :] >= skip)
+
+
 def key_error(q, k, tr: LayerTransforms, clip: float, group_size=None, skip: int = 0) -> float:
     """Query-weighted logit error of INT2 keys. ``q [B, Hq, T, d]``, ``k [B, H, T, d]``."""
     b, hq, t, d = q.shape
@@ -57,12 +64,15 @@ def attention_probs(q, k, scale: float | None = None) -> torch.Tensor:
     return torch.softmax(s.masked_fill(~_causal(t, 0, q.device), float("-inf")), dim=-1)
 
 
-def value_error(probs, v, tr: LayerTransforms, clip: float, group_size=None, skip: int = 0) -> float:
-    """Attention-weighted output error of INT2 values. ``probs [B, H, G, T, T]``, ``v [B, H, T, d]``."""
+def value_error(probs, v, tr: LayerTransforms, clip: float, group_size=None, skip: int = 0, window: int = 0) -> float:
+    """Attention-weighted output error of INT2 values. ``probs [B, H, G, T, T]``, ``v [B, H, T, d]``; ``window``:
+    each query's last ``window`` keys stay in BF16 too (the cache's ring)."""
     vt = torch.einsum("bhtd,hde->bhte", v.float() - tr.value_mean[None, :, None], tr.value_transform)
     e = round_trip(vt, clip, group_size) - vt
     e = torch.einsum("bhtd,hde->bhte", e, tr.output_transform)  # back to the model's basis
-    if skip:
+    if window:
+        probs = probs * _int2_pairs(e.shape[2], skip, window, e.device)
+    elif skip:
         e[:, :, :skip] = 0  # sink tokens stay in BF16
     return float(torch.einsum("bhgtj,bhjd->bhgtd", probs, e).square().sum())
 
@@ -82,7 +92,8 @@ def search_clip(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size
     return best_k, best_v, {"key_error": k_err, "value_error": v_err}
 
 
-def key_output_error(probs, q, k, v, tr: LayerTransforms, clip: float, group_size=None, skip: int = 0) -> float:
+def key_output_error(probs, q, k, v, tr: LayerTransforms, clip: float, group_size=None, skip: int = 0,
+                     window: int = 0) -> float:
     """``|| (P_hat - P) v ||^2``: what INT2 keys do to the attention output, values exact (``probs``: ``P``, from
     :func:`attention_probs`).
 
@@ -98,18 +109,22 @@ def key_output_error(probs, q, k, v, tr: LayerTransforms, clip: float, group_siz
         kq[:, :, :skip] = kt[:, :, :skip]  # sink tokens stay in BF16
     # q'.k_hat' is q.k_hat less q.mu_k, the same for every key of a query: softmax ignores it
     s = torch.einsum("bhgtd,bhjd->bhgtj", qt, kq) * d**-0.5
+    if window:  # each query's last `window` keys are exact too (the ring)
+        s = torch.where(_int2_pairs(t, skip, window, q.device), s, torch.einsum("bhgtd,bhjd->bhgtj", qt, kt) * d**-0.5)
     p_hat = torch.softmax(s.masked_fill(~_causal(t, 0, q.device), float("-inf")), dim=-1)
     return float(torch.einsum("bhgtj,bhjd->bhgtd", p_hat - probs, v.float()).square().sum())
 
 
-def relative_errors(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size=None, skip: int = 0) -> tuple:
+def relative_errors(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size=None, skip: int = 0,
+                    window: int = 0) -> tuple:
     """Held-out relative RMS errors of a layer's attention output with INT2 keys (values exact) and with INT2
     values (keys exact) at its clip ratios: what the calibration records per layer so that a layer whose keys or
-    values do not survive 2 bits stands out."""
+    values do not survive 2 bits stands out. ``skip`` sinks and each query's last ``window`` keys stay exact
+    (0: every key but the sinks is INT2)."""
     ke = ve = energy = 0.0
     for q, k, v in zip(heldout_q, heldout_k, heldout_v):
         probs = attention_probs(q, k)
-        ke += key_output_error(probs, q, k, v, tr, tr.key_clip, group_size, skip)
-        ve += value_error(probs, v, tr, tr.value_clip, group_size, skip)
+        ke += key_output_error(probs, q, k, v, tr, tr.key_clip, group_size, skip, window)
+        ve += value_error(probs, v, tr, tr.value_clip, group_size, skip, window)
         energy += output_energy(probs, v)
     return (ke / max(energy, 1e-30)) ** 0.5, (ve / max(energy, 1e-30)) ** 0.5

@@ -1119,6 +1119,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
             bounds = _mask_bounds(mask_rows).expand(b, hq, t, 3)
             mask, key_mask, mask_kind = bounds, mask, 3
     LAST_LAUNCH["mask_kind"] = mask_kind
+    LAST_LAUNCH["mask_bounds"] = False  # set by a decode launch that reads a bool mask's row bounds
     # One set of temporaries for every tile, as large as the largest tile needs (a shorter last tile may
     # split its keys more; each plan is within the budget, so their maximum is too).
     rows = max(b * h * p.m_total for _, p in tiles)

@@ -222,6 +222,57 @@ def test_relative_errors_are_recorded_and_an_outlier_layer_is_flagged():
     assert errs[1][1] == pytest.approx(errs[0][1], rel=0.5)  # values: the same data, the same error
     assert "<- an outlier" in art.summary().splitlines()[-1]
     assert relative_errors([0.5 * q], [k], [v], art.layers[0]) == pytest.approx(tuple(errs[0]), rel=1e-3)
+    # a window of BF16 keys (the cache's ring) only lowers the error, to 0 where it covers every key
+    windowed = relative_errors([10 * q], [k], [v], art.layers[1], window=32)
+    assert 0 < windowed[0] < errs[1][0] and 0 < windowed[1] < errs[1][1]
+    # (keys: the exact logits in the rotated basis, against the model basis's: fp32 rounding)
+    assert relative_errors([10 * q], [k], [v], art.layers[1], window=t) == pytest.approx((0.0, 0.0), abs=1e-4)
+
+
+def test_outlier_layers_are_chosen_by_ratio_floor_and_cap():
+    from oscar_compile.calibration import select_bf16_layers
+
+    errors = [[0.1, 0.1]] * 15 + [[1.07, 0.12]]
+    assert select_bf16_layers(errors) == [15]  # 10x the median keys' error, above the floor
+    assert select_bf16_layers([[0.01, 0.01]] * 15 + [[0.2, 0.01]]) == []  # 20x, but small in itself
+    assert select_bf16_layers([[0.1, 0.1]] * 8 + [[0.3, 0.1]]) == []  # above the floor, only 3x
+    many = [[0.1, 0.1]] * 12 + [[0.6, 0.1], [0.1, 0.9], [1.5, 0.1], [0.5, 0.1]]
+    assert select_bf16_layers(many) == [13, 14]  # at most one in eight layers: the two worst ratios
+    assert select_bf16_layers(many, max_layers=4) == [12, 13, 14, 15] and select_bf16_layers([]) == []
+
+
+def test_long_context_check_records_errors_and_the_backend_keeps_its_layers(tmp_path):
+    # check_layers runs the model on long sequences with the artifact's transforms: per-layer errors recorded (as
+    # the calibration's own held-out ones, on other tokens), outliers chosen; the artifact carries them through
+    # save/load to a backend, whose bf16_layers default to them (() turns them off)
+    from oscar_compile.calibration import check_layers
+
+    model = tiny_model("llama")
+    art = calibrate(model, _batches(), method="default", progress=False)
+    long = [torch.randint(3, 90, (1, 80), generator=torch.Generator().manual_seed(9))]
+    checked = check_layers(model, art, long, num_sinks=2, window=8, progress=False)  # 80 tokens: reach INT2
+    errs = checked.calibration["check_relative_error"]
+    assert len(errs) == 2 and all(0 < e < 2 for pair in errs for e in pair)
+    assert checked.calibration["check_tokens"] == 80 and "bf16_layers" not in art.calibration  # a copy
+    planted = check_layers(model, art, long, num_sinks=2, window=8, progress=False, factor=0.0, floor=0.0, max_layers=1)
+    assert len(planted.bf16_layers) == 1  # every layer qualifies: the worst one is kept
+    planted.save(tmp_path)
+    again = load_artifacts(tmp_path)
+    assert again.bf16_layers == planted.bf16_layers and "kept in BF16: [" in again.summary()
+    for option, kept in ((None, set(planted.bf16_layers)), ((), set())):
+        torch._dynamo.reset()
+        backend = oscar_compile.oscar_backend(again, inductor=False, num_sinks=1, window=2, bf16_layers=option)
+        prefill_and_decode(torch.compile(model, backend=backend), _batches(1)[0], make_hf_cache("oscar", model, 40, 2), 2)
+        assert {key[0][1] for key, c in backend.storage.items() if not c.quantize} == kept
+    with pytest.raises(ValueError, match="non-empty"):
+        check_layers(model, art, [torch.zeros(0, dtype=torch.long)], progress=False)
+    # sliding-window layers keep exact BF16 rings in the backend: no error, never chosen
+    gemma = tiny_model("gemma3")
+    g_art = calibrate(gemma, _batches(), method="default", progress=False)
+    g = check_layers(gemma, g_art, long, num_sinks=2, window=8, progress=False, factor=0.0, floor=0.0, max_layers=4)
+    slides = set(g_art.sliding_windows)
+    assert slides and all((e is None) == (i in slides) for i, e in enumerate(g.calibration["check_relative_error"]))
+    assert g.bf16_layers and not set(g.bf16_layers) & slides
 
 
 def test_method_names():
@@ -343,12 +394,19 @@ def test_cli_calibrate(tmp_path, capsys):
     data = tmp_path / "text.txt"
     data.write_text("The quick brown fox jumps over the lazy dog. " * 200)
     rc = cli_main(["calibrate", "--model", "tiny:llama", "--data", str(data), "--tokens", "256", "--seq-len", "32",
-                   "--batch-size", "2", "--method", "oscar", "--out", str(tmp_path / "art")])
+                   "--batch-size", "2", "--method", "oscar", "--check-len", "96", "--sinks", "2", "--window", "8",
+                   "--out", str(tmp_path / "art")])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "layer  key clip  value clip" in out and "wrote" in out
+    assert "layer  key clip  value clip" in out and "wrote" in out and "long-context check on 192 tokens" in out
     art = load_artifacts(tmp_path / "art")
     assert art.method == "oscar" and art.calibration["tokens"] == 256
+    assert len(art.calibration["check_relative_error"]) == 2 and art.calibration["check_seq_len"] == 96
+    short = tmp_path / "short.txt"
+    short.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    with pytest.raises(SystemExit, match="--check-len 0 skips it"):  # too little text for the default check
+        cli_main(["calibrate", "--model", "tiny:llama", "--data", str(short), "--tokens", "256", "--seq-len", "32",
+                  "--batch-size", "2", "--out", str(tmp_path / "art2")])
 
 
 def test_text_arguments_and_disjoint_evaluation(tmp_path):
@@ -365,3 +423,29 @@ def test_text_arguments_and_disjoint_evaluation(tmp_path):
     calib = "".join(f"sentence {i} of the calibration corpus. " for i in range(400))
     assert overlapping(calib[5000:9000], "prefix " + calib + " suffix")  # a piece of it
     assert not overlapping("".join(f"other text {i}. " for i in range(400)), calib)
+
+
+def test_cached_artifacts_with_a_long_context_check(tmp_path, monkeypatch):
+    # the eval's artifacts: calibrated once, checked on the calibration text past the calibration tokens, the checked
+    # copy cached apart (the unchecked one stays as it was), and loaded from the cache the second time
+    import types
+
+    import oscar_compile.assets as assets
+    import oscar_compile.demo as demo
+
+    monkeypatch.setenv("OSCAR_CACHE", str(tmp_path))
+    monkeypatch.setattr(demo, "calibration_text_name", lambda: "synthetic")
+    stream = torch.randint(3, 90, (6500,), generator=torch.Generator().manual_seed(3))  # 3 batches of 2048, a check
+    monkeypatch.setattr(assets, "load_text", lambda name: "unused")
+    tok = lambda text, return_tensors: types.SimpleNamespace(input_ids=stream[None])  # noqa: E731
+    model = tiny_model("llama")
+    kw = dict(seq_len=64, check_len=96, check_seqs=2, num_sinks=2, window=8, progress=False)
+    found, cached = demo.cached_artifacts_for(model, tok, "tiny", ["default"], 4096, **kw)
+    art = found["default"]
+    assert not cached and len(art.calibration["check_relative_error"]) == 2 and art.calibration["check_tokens"] == 192
+    names = sorted(p.name for p in (tmp_path / "artifacts").iterdir())
+    assert names == ["tiny-oscar+mean+scale-4096-s64", "tiny-oscar+mean+scale-4096-s64-c96x2-sw2_8"]
+    again, cached = demo.cached_artifacts_for(model, tok, "tiny", ["default"], 4096, **kw)
+    assert cached == {"default"} and again["default"].calibration["check_relative_error"] == art.calibration["check_relative_error"]
+    with pytest.raises(ValueError, match="too few for a check"):
+        demo.cached_artifacts_for(model, tok, "tiny", ["default"], 4096, **dict(kw, check_len=4000))

@@ -1,0 +1,100 @@
+"""A long-context check of calibrated artifacts: which layers do not survive INT2 at the served length.
+
+The clip search holds out sequences as long as the calibration's (512 tokens by default). Some layers only
+fail at longer contexts: Qwen2.5-Coder-0.5B's layer 0 keys give a 0.40 relative attention-output error at
+512 tokens (tied worst with layer 16, median 0.28) but 1.07 at 2K (the other layers 0.02-0.25), where they
+cost ~+15% perplexity by themselves. This check runs the model on a few long sequences (disjoint from the
+statistics), measures every layer's held-out error with the artifact's own transforms and clips, and marks
+the outliers to be kept in BF16 (``Artifacts.bf16_layers``, read by the backend's ``bf16_layers``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable
+
+import torch
+
+from .artifacts import Artifacts
+from .clipping import relative_errors
+from .statistics import StatsObserver
+
+# A layer is an outlier where its key or value error is this many times the layers' (lower) median error...
+OUTLIER_FACTOR = 4.0
+# ...and at least this large in itself (relative RMS error of the attention output): a layer at 0.05 among
+# layers at 0.01 is not worth 7x its bytes.
+OUTLIER_FLOOR = 0.25
+
+
+def select_bf16_layers(errors: list, factor: float = OUTLIER_FACTOR, floor: float = OUTLIER_FLOOR,
+                       max_layers: int | None = None) -> list[int]:
+    """Layers whose ``[key, value]`` error is ``factor`` x the lower median of its kind and at least ``floor``;
+    the worst (by that ratio) first, at most ``max_layers`` (default: one in eight layers, at least one)."""
+    if not errors:
+        return []
+    n = len(errors)
+    med = [max(sorted(e[j] for e in errors)[(n - 1) // 2], 1e-12) for j in (0, 1)]
+    ratio = {i: max(e[j] / med[j] for j in (0, 1) if e[j] >= floor) for i, e in enumerate(errors)
+             if any(e[j] >= floor for j in (0, 1))}
+    out = sorted((i for i, r in ratio.items() if r >= factor), key=lambda i: -ratio[i])
+    cap = max(1, n // 8) if max_layers is None else max_layers
+    return sorted(out[:cap])
+
+
+def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable[torch.Tensor], *,
+                 num_sinks: int | None = None, window: int | None = None, forward: Callable | None = None,
+                 factor: float = OUTLIER_FACTOR, floor: float = OUTLIER_FLOOR, max_layers: int | None = None,
+                 progress: bool = True) -> Artifacts:
+    """``artifacts`` with each layer's error on ``batches`` (long token sequences, ``[B, T]``) recorded in
+    ``calibration["check_relative_error"]`` (``[key, value]`` relative RMS error of the attention output with
+    INT2 keys / INT2 values, as ``heldout_relative_error``; None for a sliding-window layer, whose exact BF16 ring
+    the backend keeps) and the outlier layers in ``calibration["bf16_layers"]``.
+
+    Each query reads its keys as a decode step of a cache of its position + 1 tokens would: ``num_sinks`` sinks and
+    its last ``window`` keys exact (default: the backend's 64 and 256), the rest INT2. The sequences should be as
+    long as the contexts served, and disjoint from the evaluation text."""
+    from ..backend import BackendOptions, OscarBackend
+    from .tracer import hf_forward
+
+    num_sinks = BackendOptions.num_sinks if num_sinks is None else num_sinks
+    window = BackendOptions.window if window is None else window
+
+    batches = list(batches)
+    if not batches:
+        raise ValueError("oscar check: no sequences to check the layers on")
+    if not all(isinstance(b, torch.Tensor) and b.dim() == 2 and b.numel() for b in batches):
+        raise ValueError("oscar check: each batch must be a non-empty [B, T] tensor of token ids")
+    artifacts.validate(model)
+    tokens = sum(b.numel() for b in batches)
+    observer = StatsObserver(heldout_tokens=tokens)
+    observer.phase = "heldout"  # keep every query, key and value whole
+    compiled = torch.compile(model, backend=OscarBackend(observer=observer, inductor=False, validate=False))
+    forward = forward or hf_forward
+    device = next(model.parameters()).device
+    iterator = batches
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(batches, desc="oscar check", unit="batch")
+    with torch.no_grad():
+        for batch in iterator:
+            forward(compiled, batch.to(device))
+    torch._dynamo.reset()
+    if sorted(observer.heldout) != list(range(len(artifacts.layers))):
+        raise RuntimeError(f"oscar check: attention was seen in layers {sorted(observer.heldout)}, the artifact has "
+                           f"{len(artifacts.layers)}")
+    group = artifacts.options.get("group_size")
+    sliding = artifacts.sliding_windows  # kept as exact BF16 rings by the backend: never INT2, not candidates
+    errors = []
+    for layer, tr in enumerate(artifacts.layers):
+        h = observer.heldout.pop(layer)  # long sequences' activations: free them as we go
+        if layer in sliding:
+            errors.append(None)
+            continue
+        errors.append([round(e, 4) for e in relative_errors(h.q, h.k, h.v, tr, group, num_sinks, window)])
+    full = [i for i, e in enumerate(errors) if e is not None]
+    chosen = [full[i] for i in select_bf16_layers([errors[i] for i in full], factor, floor,
+                                                  max(1, len(errors) // 8) if max_layers is None else max_layers)]
+    cal = dict(artifacts.calibration, check_relative_error=errors, check_tokens=tokens,
+               check_seq_len=int(batches[0].shape[1]), check_sinks_window=[num_sinks, window], bf16_layers=chosen)
+    return dataclasses.replace(artifacts, calibration=cal)
