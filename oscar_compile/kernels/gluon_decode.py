@@ -179,7 +179,7 @@ def _load_meta(j0, hi, S, tpage, bt_row, km_ptr, vm_ptr, sm_p, sm_s, key_in_bloc
 
 
 @gluon.jit
-def _page_loop(qq_ptr, q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
+def _page_loop(q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
                sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, last, wr, word_in_group, key_in_block, heads,
                G: gl.constexpr, D: gl.constexpr, PS: gl.constexpr, NW: gl.constexpr, NT: gl.constexpr,
                MASK_KIND: gl.constexpr, SUBNORMAL: gl.constexpr, WIDE: gl.constexpr, STAGES: gl.constexpr,
@@ -382,17 +382,17 @@ def _page_decode_kernel(
         last = gl.load(mb_ptr + b * smb_b + 1)
         if gl.load(mb_ptr + b * smb_b + 2) != 0:
             m_i, l_acc, pm_acc, o = _page_loop(
-                qq_ptr, q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
+                q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
                 sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, last, wr, word_in_group, key_in_block, heads,
                 G, D, PS, NW, NT, 3, SUBNORMAL, WIDE, STAGES, MASK_HEADS)
         else:
             m_i, l_acc, pm_acc, o = _page_loop(
-                qq_ptr, q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
+                q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
                 sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, last, wr, word_in_group, key_in_block, heads,
                 G, D, PS, NW, NT, 1, SUBNORMAL, WIDE, STAGES, MASK_HEADS)
     else:
         m_i, l_acc, pm_acc, o = _page_loop(
-            qq_ptr, q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
+            q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
             sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, 0, 0, wr, word_in_group, key_in_block, heads,
             G, D, PS, NW, NT, MASK_KIND, SUBNORMAL, WIDE, STAGES, MASK_HEADS)
     # combine the warps, then write this split's partial state (rotated basis, channel order)
