@@ -183,17 +183,16 @@ def _page_loop(q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b
                sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, last, wr, word_in_group, key_in_block, heads,
                G: gl.constexpr, D: gl.constexpr, PS: gl.constexpr, NW: gl.constexpr, NT: gl.constexpr,
                MASK_KIND: gl.constexpr, SUBNORMAL: gl.constexpr, WIDE: gl.constexpr, STAGES: gl.constexpr,
-               MASK_HEADS: gl.constexpr):
+               MASK_HEADS: gl.constexpr, MMA: gl.constexpr, WL: gl.constexpr):
     """The online softmax over the page keys ``[lo, hi)`` of one (row, KV head): its state ``(m, l, sum P min, O)``.
 
     MASK_KIND 0: no mask; 1: a bool mask read a byte a key (and head, MASK_HEADS); 3: the row's visible keys are
-    the interval ``[first, last]`` (a bool mask row of one interval, its bounds read once)."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
+    the interval ``[first, last]`` (a bool mask row of one interval, its bounds read once). ``MMA``, ``WL``: the
+    kernel's accumulator and code-word layouts."""
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
-    KEYS: gl.constexpr = gl.SliceLayout(2, MMA)  # [NW, NT 16]
-    HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [NW, 8]
-    WL: gl.constexpr = gl.BlockedLayout([1, D // 32], [1, 32], [NW, 1], [1, 0])  # [NT NW, D] words
+    KEYS: gl.constexpr = gl.SliceLayout(2, MMA)
+    HEADS: gl.constexpr = gl.SliceLayout(1, MMA)
     BLOCK: gl.constexpr = NW * NT * 16
     m_i = gl.full([NW, 8], float("-inf"), gl.float32, HEADS)
     l_acc = gl.zeros([NW, NT * 16, 8], gl.float32, MMA)
@@ -377,24 +376,25 @@ def _page_decode_kernel(
 
     if MASK_KIND == 1 and not MASK_HEADS and MASK_BOUNDS:
         # a bool mask row every head shares (a model's [B, 1, 1, L]) with its bounds: where it is one interval of
-        # visible keys (what models pass), two compares a key; otherwise a byte a key (a loop of its own)
+        # visible keys (what models pass), two compares a key (MASK_KIND 3, a loop of its own); else a byte a key.
+        # (Three calls: one `if interval:` with a compile-time False on the other paths crashes Triton 3.6's backend.)
         first = gl.load(mb_ptr + b * smb_b)
         last = gl.load(mb_ptr + b * smb_b + 1)
         if gl.load(mb_ptr + b * smb_b + 2) != 0:
             m_i, l_acc, pm_acc, o = _page_loop(
                 q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
                 sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, last, wr, word_in_group, key_in_block, heads,
-                G, D, PS, NW, NT, 3, SUBNORMAL, WIDE, STAGES, MASK_HEADS)
+                G, D, PS, NW, NT, 3, SUBNORMAL, WIDE, STAGES, MASK_HEADS, MMA, WL)
         else:
             m_i, l_acc, pm_acc, o = _page_loop(
                 q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
                 sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, last, wr, word_in_group, key_in_block, heads,
-                G, D, PS, NW, NT, 1, SUBNORMAL, WIDE, STAGES, MASK_HEADS)
+                G, D, PS, NW, NT, 1, SUBNORMAL, WIDE, STAGES, MASK_HEADS, MMA, WL)
     else:
         m_i, l_acc, pm_acc, o = _page_loop(
             q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
             sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, 0, 0, wr, word_in_group, key_in_block, heads,
-            G, D, PS, NW, NT, MASK_KIND, SUBNORMAL, WIDE, STAGES, MASK_HEADS)
+            G, D, PS, NW, NT, MASK_KIND, SUBNORMAL, WIDE, STAGES, MASK_HEADS, MMA, WL)
     # combine the warps, then write this split's partial state (rotated basis, channel order)
     if SUBNORMAL:  # value channel c came out as 4^k c 2^-24
         oc_ = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
