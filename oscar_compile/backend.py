@@ -117,7 +117,7 @@ class OscarBackend:
             raise ValueError(f"oscar_backend: rotation must be one of {ROTATIONS}, got {self.options.rotation!r}")
         layers = self.options.bf16_layers
         if layers is None:
-            layers = artifacts.bf16_layers if artifacts is not None and hasattr(artifacts, "bf16_layers") else ()
+            layers = artifacts.bf16_layers if artifacts is not None else ()
         if isinstance(layers, int) or not all(isinstance(x, int) and x >= 0 for x in layers):
             raise ValueError(f"oscar_backend: bf16_layers must be layer indices (a tuple of ints >= 0), got {layers!r}")
         self.options.bf16_layers = tuple(sorted(set(layers)))

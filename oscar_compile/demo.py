@@ -32,6 +32,11 @@ def calibration_text_name() -> str:
     return "paul-graham"
 
 
+def _calibration_rows(seq_len: int) -> int:
+    """Sequences a calibration batch: 4 x 512 by default; one sequence a batch from 2048 tokens."""
+    return max(1, 2048 // seq_len)
+
+
 def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens: int, progress: bool = True,
                          seq_len: int = 512, check_len: int = 0, check_seqs: int = 2, num_sinks: int = 64,
                          window: int = 256):
@@ -58,7 +63,7 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
         calibrated = [m for m in found if parse_method(m).clip_search]  # the check measures the clipped methods
         todo = [m for m in calibrated if not (path(m, True) / "oscar.json").exists()]
         stream = tok(load_text(calibration_text_name()), return_tensors="pt").input_ids[0] if todo else None
-        start = tokens + seq_len * max(1, 2048 // seq_len)  # past every calibration token (statistics, held out)
+        start = tokens + seq_len * _calibration_rows(seq_len)  # past every calibration token (statistics, held out)
         if todo and stream.numel() < start + check_len * check_seqs:
             raise ValueError(f"oscar: the calibration text has {stream.numel()} tokens, too few for a check of "
                              f"{check_seqs} x {check_len} tokens after the {start} calibration tokens")
@@ -88,7 +93,7 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
     if missing:
         text_name = calibration_text_name()
         tok_ids = tok(load_text(text_name), return_tensors="pt").input_ids[0]
-        seq, bs = seq_len, max(1, 2048 // seq_len)  # 4 x 512 by default; one sequence a batch from 2048 tokens
+        seq, bs = seq_len, _calibration_rows(seq_len)
         batches = token_batches(tok_ids, seq, bs, max_tokens=tokens + seq * bs)
         stats = collect_statistics(model, batches, data_description=text_name, progress=progress)
         for method in missing:

@@ -17,6 +17,7 @@ import torch
 
 from ..cache import LayerTransforms
 from ..tensor_parallel import full_tensor
+from .clipping import lower_medians
 
 FORMAT_VERSION = 1
 MANIFEST, TENSORS = "oscar.json", "oscar.safetensors"
@@ -193,7 +194,7 @@ class Artifacts:
         if errors and len(errors) == len(self.clip_ratios):
             # a layer 4x above the lower median stands out (Qwen2.5-Coder-0.5B's layer 0 keys at 2K, per the probe:
             # 1.07 against 0.07; at the 512-token calibration length not yet: 0.40 against 0.28)
-            med = [sorted(e[j] for e in errors)[(len(errors) - 1) // 2] for j in (0, 1)]  # the lower median
+            med = lower_medians(errors)
             lines.append("layer  key clip  value clip  held-out error keys / values (relative RMS)")
             for i, ((k, v), (ek, ev)) in enumerate(zip(self.clip_ratios, errors)):
                 flag = "  <- an outlier" if ek > 4 * med[0] or ev > 4 * med[1] else ""

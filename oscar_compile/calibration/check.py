@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 import torch
 
 from .artifacts import Artifacts
-from .clipping import relative_errors
+from .clipping import lower_medians, relative_errors
 from .statistics import StatsObserver
 
 # A layer is an outlier where its key or value error is this many times the layers' (lower) median error...
@@ -29,15 +29,15 @@ OUTLIER_FLOOR = 0.25
 def select_bf16_layers(errors: list, factor: float = OUTLIER_FACTOR, floor: float = OUTLIER_FLOOR,
                        max_layers: int | None = None) -> list[int]:
     """Layers whose ``[key, value]`` error is ``factor`` x the lower median of its kind and at least ``floor``;
-    the worst (by that ratio) first, at most ``max_layers`` (default: one in eight layers, at least one)."""
-    if not errors:
+    the worst (by that ratio) first, at most ``max_layers`` (default: one in eight layers, at least one). A None
+    entry is a layer with no INT2 (a sliding-window layer's exact ring): counted in the eight, never chosen."""
+    if not any(e is not None for e in errors):
         return []
-    n = len(errors)
-    med = [max(sorted(e[j] for e in errors)[(n - 1) // 2], 1e-12) for j in (0, 1)]
+    med = [max(m, 1e-12) for m in lower_medians(errors)]
     ratio = {i: max(e[j] / med[j] for j in (0, 1) if e[j] >= floor) for i, e in enumerate(errors)
-             if any(e[j] >= floor for j in (0, 1))}
+             if e is not None and any(e[j] >= floor for j in (0, 1))}
     out = sorted((i for i, r in ratio.items() if r >= factor), key=lambda i: -ratio[i])
-    cap = max(1, n // 8) if max_layers is None else max_layers
+    cap = max(1, len(errors) // 8) if max_layers is None else max_layers
     return sorted(out[:cap])
 
 
@@ -53,8 +53,8 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
     Each query reads its keys as a decode step of a cache of its position + 1 tokens would: ``num_sinks`` sinks and
     its last ``window`` keys exact (default: the backend's 64 and 256), the rest INT2. The sequences should be as
     long as the contexts served, and disjoint from the evaluation text."""
-    from ..backend import BackendOptions, OscarBackend
-    from .tracer import hf_forward
+    from ..backend import BackendOptions
+    from .tracer import run_observed
 
     num_sinks = BackendOptions.num_sinks if num_sinks is None else num_sinks
     window = BackendOptions.window if window is None else window
@@ -68,18 +68,7 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
     tokens = sum(b.numel() for b in batches)
     observer = StatsObserver(heldout_tokens=tokens)
     observer.phase = "heldout"  # keep every query, key and value whole
-    compiled = torch.compile(model, backend=OscarBackend(observer=observer, inductor=False, validate=False))
-    forward = forward or hf_forward
-    device = next(model.parameters()).device
-    iterator = batches
-    if progress:
-        from tqdm.auto import tqdm
-
-        iterator = tqdm(batches, desc="oscar check", unit="batch")
-    with torch.no_grad():
-        for batch in iterator:
-            forward(compiled, batch.to(device))
-    torch._dynamo.reset()
+    run_observed(model, batches, observer, forward=forward, progress=progress, desc="oscar check")
     if sorted(observer.heldout) != list(range(len(artifacts.layers))):
         raise RuntimeError(f"oscar check: attention was seen in layers {sorted(observer.heldout)}, the artifact has "
                            f"{len(artifacts.layers)}")
@@ -92,9 +81,7 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
             errors.append(None)
             continue
         errors.append([round(e, 4) for e in relative_errors(h.q, h.k, h.v, tr, group, num_sinks, window)])
-    full = [i for i, e in enumerate(errors) if e is not None]
-    chosen = [full[i] for i in select_bf16_layers([errors[i] for i in full], factor, floor,
-                                                  max(1, len(errors) // 8) if max_layers is None else max_layers)]
+    chosen = select_bf16_layers(errors, factor, floor, max_layers)
     cal = dict(artifacts.calibration, check_relative_error=errors, check_tokens=tokens,
                check_seq_len=int(batches[0].shape[1]), check_sinks_window=[num_sinks, window], bf16_layers=chosen)
     return dataclasses.replace(artifacts, calibration=cal)

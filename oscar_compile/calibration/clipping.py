@@ -115,6 +115,13 @@ def key_output_error(probs, q, k, v, tr: LayerTransforms, clip: float, group_siz
     return float(torch.einsum("bhgtj,bhjd->bhgtd", p_hat - probs, v.float()).square().sum())
 
 
+def lower_medians(errors) -> list[float]:
+    """The lower median of the key and of the value error over layers (``[[key, value], ...]``; None entries,
+    layers that hold no INT2, left out): what a layer's error is compared with to call it an outlier."""
+    errors = [e for e in errors if e is not None]
+    return [sorted(e[j] for e in errors)[(len(errors) - 1) // 2] for j in (0, 1)]
+
+
 def relative_errors(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size=None, skip: int = 0,
                     window: int = 0) -> tuple:
     """Held-out relative RMS errors of a layer's attention output with INT2 keys (values exact) and with INT2

@@ -39,6 +39,27 @@ class CalibrationStats:
     info: dict
 
 
+def run_observed(model: torch.nn.Module, batches: list, observer: StatsObserver, *, forward: Callable | None = None,
+                 progress: bool = True, desc: str = "oscar calibrate", phase_of: Callable | None = None) -> None:
+    """Run ``model`` on ``batches`` with the backend in observe mode feeding ``observer`` (nothing is rewritten);
+    ``phase_of(i)``, if given, is the observer's phase for batch ``i``. The observe-mode graphs are dropped after,
+    so the model's next compile starts clean."""
+    compiled = torch.compile(model, backend=OscarBackend(observer=observer, inductor=False, validate=False))
+    forward = forward or hf_forward
+    device = next(model.parameters()).device
+    iterator = batches
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(batches, desc=desc, unit="batch")
+    with torch.no_grad():
+        for i, batch in enumerate(iterator):
+            if phase_of is not None:
+                observer.phase = phase_of(i)
+            forward(compiled, batch.to(device))
+    torch._dynamo.reset()
+
+
 def collect_statistics(
     model: torch.nn.Module,
     batches: Iterable[torch.Tensor],
@@ -67,27 +88,13 @@ def collect_statistics(
     if len(batches) <= heldout_batches:
         raise ValueError(f"oscar calibrate: {len(batches)} batch(es) cannot hold out {heldout_batches} for the clip "
                          "search and still leave data for the statistics")
-    forward = forward or hf_forward
     observer = StatsObserver(skip_first=skip_first)
-    backend = OscarBackend(observer=observer, inductor=False, validate=False)
-    compiled = torch.compile(model, backend=backend)
     t0 = time.perf_counter()
-    tokens = heldout = 0
-    device = next(model.parameters()).device
-    iterator = batches
-    if progress:
-        from tqdm.auto import tqdm
-
-        iterator = tqdm(batches, desc="oscar calibrate", unit="batch")
-    with torch.no_grad():
-        for i, batch in enumerate(iterator):
-            observer.phase = "heldout" if i >= len(batches) - heldout_batches else "stats"
-            forward(compiled, batch.to(device))
-            if observer.phase == "stats":
-                tokens += batch.numel()
-            else:
-                heldout += batch.numel()
-    torch._dynamo.reset()  # drop the observe-mode graphs: the model's next compile starts clean
+    first_heldout = len(batches) - heldout_batches
+    run_observed(model, batches, observer, forward=forward, progress=progress,
+                 phase_of=lambda i: "heldout" if i >= first_heldout else "stats")
+    tokens = sum(b.numel() for b in batches[:first_heldout])
+    heldout = sum(b.numel() for b in batches[first_heldout:])
     if not observer.layers:
         raise RuntimeError("oscar calibrate: no attention call was matched in the model: run `oscar explain` to see why")
     layers = sorted(observer.layers)

@@ -261,10 +261,11 @@ def test_decode_with_one_mask_row_for_every_head_small(monkeypatch):
     holes[0] = True
     for rows in ([j >= 3, (j >= 1) & (j < 20), j >= 0], [j >= 3, holes, (j >= 5) & (j < 33)]):
         mask = torch.stack(rows)[:, None, None]
-        a = ref.attention_args(0, q, p1, p1[:, 0] + 1, mask.to(DEV), True)
-        got = attention_triton(*a)
-        assert LAST_LAUNCH["mask_bounds"]
-        assert rel_error(got, attention_reference(*a)) < ATTN_TOL
+        for causal in (True, False):  # not causal: transformers' decode passes the mask alone
+            a = ref.attention_args(0, q, p1, p1[:, 0] + 1, mask.to(DEV), causal)
+            got = attention_triton(*a)
+            assert LAST_LAUNCH["mask_bounds"]
+            assert rel_error(got, attention_reference(*a)) < ATTN_TOL
     # a mask row per head is read key by key (no bounds); so is a shared row where the rows do not fill the GPU
     a = ref.attention_args(0, q, p1, p1[:, 0] + 1, mask.expand(b, h * gqa, 1, t).contiguous().to(DEV), True)
     got = attention_triton(*a)
