@@ -180,7 +180,8 @@ def bf16_bytes(b, length):
     return 2 * b * HKV * length * D * 2 + 2 * b * HQ * D * 2
 
 
-def bench_shape(b, length, device, sweep: bool, ablations: bool = False, profile: bool = False, extra=()):
+def bench_shape(b, length, device, sweep: bool, ablations: bool = False, profile: bool = False, extra=(),
+                as_model: bool = False):
     from oscar_compile.kernels.triton_attention import attention_triton
 
     q = torch.randn(b, HQ, 1, D, device=device, dtype=torch.bfloat16)
@@ -193,7 +194,17 @@ def bench_shape(b, length, device, sweep: bool, ablations: bool = False, profile
     cache = int2_cache(b, length, device)
     pos = torch.full((b, 1), length - 1, device=device, dtype=torch.long)
     lens = torch.full((b,), length, device=device, dtype=torch.long)
-    args = cache.attention_args(0, q, pos, lens)
+    # as_model: what the rewritten graph of a model passes (gpt-fast, transformers' generate): a bool [1, 1, 1, L]
+    # mask row, no is_causal, and the store's transformed chunk (the new token). The BF16 baseline stays unmasked
+    # (its fastest case).
+    attn_mask, chunk = None, None
+    if as_model:
+        from oscar_compile.kernels.triton_store import store_triton
+
+        attn_mask = torch.ones(1, 1, 1, length, dtype=torch.bool, device=device)
+        k_new = torch.randn(b, HKV, 1, D, device=device, dtype=torch.bfloat16)
+        chunk = (*store_triton(*cache.store_args(0, k_new, torch.randn_like(k_new), pos)), pos)
+    args = cache.attention_args(0, q, pos, lens, attn_mask=attn_mask, is_causal=not as_model, chunk=chunk)
     configs = [{}]
     if sweep:
         configs += [dict(block_n=bn, num_warps=w, num_stages=1) for bn in (32, 64, 128) for w in (2, 4, 8)]
@@ -303,6 +314,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time from the profiler")
     ap.add_argument("--configs", default=None, help="extra kernel configs to time, JSON list of dicts")
     ap.add_argument("--no-store", action="store_true")
+    ap.add_argument("--as-model", action="store_true",
+                    help="INT2 calls as a model's rewritten graph makes them: a bool mask row (not is_causal), the chunk")
     args = ap.parse_args()
     device = torch.device("cuda")
     shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
@@ -310,7 +323,7 @@ def main():
     t0 = time.time()
     for b, length in shapes:
         r = bench_shape(b, length, device, args.sweep, args.ablations, args.profile,
-                        json.loads(args.configs) if args.configs else ())
+                        json.loads(args.configs) if args.configs else (), as_model=args.as_model)
         rows.append(r)
         print(f"{b:>3} x {length:>6}: BF16 SDPA " + " ".join(f"{n} {t:.1f}" for n, t in r["bf16_sdpa_backends_us"].items())
               + f" us; fastest {r['bf16_fastest_backend']} {r['bf16_sdpa_us']:8.1f} us ({r['bf16_tbps']:.2f} TB/s) | INT2 "
@@ -332,7 +345,9 @@ def main():
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tbps": COPY_TBPS,
             "heads": [HQ, HKV, D], "baseline": "fastest of BF16 SDPA default/cudnn/flash/efficient (enable_gqa), same run",
             "timing": "CUDA graph replay of (L2 flush, call) minus the flush alone, median; "
-            "int2_eager_us/store_eager_us: triton.testing.do_bench median (launch overhead included)", "seconds": time.time() - t0}
+            "int2_eager_us/store_eager_us: triton.testing.do_bench median (launch overhead included)", "seconds": time.time() - t0,
+            "int2_call": "as a model's graph: bool [1, 1, 1, L] mask, not causal, the store's chunk" if args.as_model
+            else "is_causal, no mask, no chunk"}
     import triton
 
     meta["triton"] = triton.__version__

@@ -180,15 +180,15 @@ def _load_meta(j0, hi, S, tpage, bt_row, km_ptr, vm_ptr, sm_p, sm_s, key_in_bloc
 
 @gluon.jit
 def _page_loop(q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
-               sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, last, wr, word_in_group, key_in_block, heads,
+               sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, wr, word_in_group, key_in_block, heads,
                G: gl.constexpr, D: gl.constexpr, PS: gl.constexpr, NW: gl.constexpr, NT: gl.constexpr,
                MASK_KIND: gl.constexpr, SUBNORMAL: gl.constexpr, WIDE: gl.constexpr, STAGES: gl.constexpr,
                MASK_HEADS: gl.constexpr, MMA: gl.constexpr, WL: gl.constexpr):
     """The online softmax over the page keys ``[lo, hi)`` of one (row, KV head): its state ``(m, l, sum P min, O)``.
 
     MASK_KIND 0: no mask; 1: a bool mask read a byte a key (and head, MASK_HEADS); 3: the row's visible keys are
-    the interval ``[first, last]`` (a bool mask row of one interval, its bounds read once). ``MMA``, ``WL``: the
-    kernel's accumulator and code-word layouts."""
+    the interval ``[first, hi)`` (a bool mask row of one interval, its bounds read once; the caller takes its last
+    key and the query's position into ``hi``). ``MMA``, ``WL``: the kernel's accumulator and code-word layouts."""
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     KEYS: gl.constexpr = gl.SliceLayout(2, MMA)
@@ -245,9 +245,10 @@ def _page_loop(q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b
             vwords = vbuf.index(it % STAGES).load(WL)
             tpage_c = tpage_cn
         key = j0 + key_in_block
-        kok = (key < hi) & (key <= row_pos)
-        if MASK_KIND == 3:  # one interval of visible keys
-            kok = kok & (key >= first) & (key <= last)
+        if MASK_KIND == 3:  # one interval of visible keys, [first, hi): the caller folded its last key into hi
+            kok = (key < hi) & (key >= first)
+        else:
+            kok = (key < hi) & (key <= row_pos)
         if MASK_KIND == 1 and not MASK_HEADS:  # one mask row for every head (a model's usual mask): a load a key
             kin = key < mask_len
             mv = gl.load(mask_ptr + b * smk_b + gl.where(kin, key, 0) * smk_j, mask=kok & kin, other=0)
@@ -381,19 +382,23 @@ def _page_decode_kernel(
         first = gl.load(mb_ptr + b * smb_b)
         last = gl.load(mb_ptr + b * smb_b + 1)
         if gl.load(mb_ptr + b * smb_b + 2) != 0:
+            # the interval narrows the split: whole blocks before it are skipped, and keys past it (or past the
+            # query's position) are neither loaded nor compared; a key costs the two compares of an unmasked call
+            lo_i = lo + gl.maximum(first - lo, 0) // BLOCK * BLOCK
+            hi_i = gl.minimum(gl.minimum(hi, last + 1), row_pos + 1)
             m_i, l_acc, pm_acc, o = _page_loop(
                 q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
-                sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, last, wr, word_in_group, key_in_block, heads,
+                sc_p, sc_s, sm_p, sm_s, lo_i, hi_i, S, row_pos, first, wr, word_in_group, key_in_block, heads,
                 G, D, PS, NW, NT, 3, SUBNORMAL, WIDE, STAGES, MASK_HEADS, MMA, WL)
         else:
             m_i, l_acc, pm_acc, o = _page_loop(
                 q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
-                sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, last, wr, word_in_group, key_in_block, heads,
+                sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, wr, word_in_group, key_in_block, heads,
                 G, D, PS, NW, NT, 1, SUBNORMAL, WIDE, STAGES, MASK_HEADS, MMA, WL)
     else:
         m_i, l_acc, pm_acc, o = _page_loop(
             q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
-            sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, 0, 0, wr, word_in_group, key_in_block, heads,
+            sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, 0, wr, word_in_group, key_in_block, heads,
             G, D, PS, NW, NT, MASK_KIND, SUBNORMAL, WIDE, STAGES, MASK_HEADS, MMA, WL)
     # combine the warps, then write this split's partial state (rotated basis, channel order)
     if SUBNORMAL:  # value channel c came out as 4^k c 2^-24

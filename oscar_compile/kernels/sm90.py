@@ -26,7 +26,7 @@ ATTENTION_POINTERS = {
     "ks_ptr": "*bf16", "vs_ptr": "*bf16", "kr_ptr": "*bf16", "vr_ptr": "*bf16", "bt_ptr": "*i32", "mask_ptr": "*bf16",
     "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_o_ptr": "*fp32", "mb_ptr": "*i32",
     # merge / query kernels
-    "bo_ptr": "*fp32", "muv_ptr": "*fp32", "out_ptr": "*bf16", "q_ptr": "*bf16", "bq_ptr": "*fp32",
+    "bo_ptr": "*fp32", "muv_ptr": "*fp32", "out_ptr": "*bf16", "q_ptr": "*bf16", "bq_ptr": "*fp32", "mrow_ptr": "*u8",
 }
 STORE_POINTERS = {
     "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "first_ptr": "*i64", "last_ptr": "*i64",
@@ -115,8 +115,9 @@ def compile_merge(d=128, g=4, decode=False):
 def compile_query(d=128, g=4, block_m=16):
     from .triton_attention import _query_kernel
 
-    return compile_sm90(_query_kernel, dict(H=8, G=g, D=d, BLOCK_M=block_m, KC=min(d, 64)), ATTENTION_POINTERS,
-                        num_stages=3)
+    # the decode launch also finds a bool mask row's bounds (8 KB steps)
+    return compile_sm90(_query_kernel, dict(H=8, G=g, D=d, BLOCK_M=block_m, KC=min(d, 64), MASK_BLOCK=8192),
+                        ATTENTION_POINTERS, num_stages=3)
 
 
 def compile_store(d=128, ng=1, clip=True, frag=True):

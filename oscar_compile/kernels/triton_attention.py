@@ -313,14 +313,26 @@ def _store_state(part_m_ptr, part_l_ptr, part_o_ptr, base, row_ok, m_i, l_i, acc
 # specialised: Triton would otherwise compile a variant per value class (1, multiple of 16, other) of
 # each, i.e. recompile on new prompt lengths while serving. So are strides that follow those sizes (positions,
 # block table, mask rows); the other strides keep their specialisation (vector loads).
-@triton.jit(do_not_specialize=["M_TOTAL", "ROWS"])
-def _query_kernel(q_ptr, sq_b, sq_h, sq_t, bq_ptr, qq_ptr, M_TOTAL, ROWS, qk_scale, H: tl.constexpr, G: tl.constexpr,
-                  D: tl.constexpr, BLOCK_M: tl.constexpr, KC: tl.constexpr):
+@triton.jit(do_not_specialize=["M_TOTAL", "ROWS", "NQ", "s_mrow", "L"])
+def _query_kernel(q_ptr, sq_b, sq_h, sq_t, bq_ptr, qq_ptr, M_TOTAL, ROWS, qk_scale, NQ, mrow_ptr, s_mrow, mb_ptr, L,
+                  H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, KC: tl.constexpr,
+                  MASK_BLOCK: tl.constexpr):
     """``q' = q B_q * scale * log2(e)`` once per row (not once per split), in the tensor-core dtype.
 
     A program takes ``BLOCK_M`` rows of one KV head across batch rows (row ``i`` = batch ``i // M_TOTAL``,
     query row ``i % M_TOTAL``): a decode step has only G rows per batch row, and one program per
-    (batch row, KV head) read ``B_q`` for 4 useful rows of 16 (H200, 64 x 4K: 11.8 us)."""
+    (batch row, KV head) read ``B_q`` for 4 useful rows of 16 (H200, 64 x 4K: 11.8 us).
+    Programs past ``NQ`` (column 0 only) find the bounds of a decode step's bool mask rows (``_row_bounds``), beside
+    the queries instead of in a launch of their own (~10 us a layer at 93 x 32K, mostly launch and latency)."""
+    if tl.program_id(0) < NQ:
+        _rotate_rows(q_ptr, sq_b, sq_h, sq_t, bq_ptr, qq_ptr, M_TOTAL, ROWS, qk_scale, H, G, D, BLOCK_M, KC)
+    elif tl.program_id(1) == 0:
+        _row_bounds(mrow_ptr, s_mrow, mb_ptr, tl.program_id(0) - NQ, L, MASK_BLOCK)
+
+
+@triton.jit
+def _rotate_rows(q_ptr, sq_b, sq_h, sq_t, bq_ptr, qq_ptr, M_TOTAL, ROWS, qk_scale, H: tl.constexpr, G: tl.constexpr,
+                 D: tl.constexpr, BLOCK_M: tl.constexpr, KC: tl.constexpr):
     h = tl.program_id(1)
     i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = i < ROWS
@@ -429,19 +441,21 @@ def _attn_kernel(
         if MASK_BOUNDS:  # a bool row every head shares, with its (first, last, one interval) bounds (decode)
             m_first = tl.load(mb_ptr + b * smb_b)
             m_last = tl.load(mb_ptr + b * smb_b + 1)
-            m_interval = tl.load(mb_ptr + b * smb_b + 2) != 0
+            m_holes = (nblk * 0 + tl.load(mb_ptr + b * smb_b + 2)) == 0  # a vector: `vector & scalar bool` fails
+            # in Triton 3.9's interpreter
         for u0 in range(u_lo, u_hi, BLOCK_N):
             u = u0 + nblk
             key_ok = u < u_hi
             j = tl.where(u < n_sink, u, page_end + (u - n_sink))
             if MASK_BOUNDS:
-                if m_interval:  # two compares a key instead of a byte a key and row
-                    vis, bias = _visibility(j, key_ok & (j >= m_first) & (j <= m_last), row_t, row_pos, row_hq, b,
-                                            mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len, IS_CAUSAL, 0)
-                    vis = tl.broadcast_to(vis, [BLOCK_M, BLOCK_N])  # [1, N] when not causal: both branches [M, N]
-                else:
-                    vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t,
-                                            smk_j, mask_len, IS_CAUSAL, MASK_KIND)
+                # A row of one interval: two compares a key, no mask byte loaded (the byte loads are predicated
+                # off); a row with holes: a byte a key and row. Branch-free: a branch in the loop body can keep
+                # Triton from pipelining the loads (SKIP_EMPTY above).
+                vis_i, bias = _visibility(j, key_ok & (j >= m_first) & (j <= m_last), row_t, row_pos, row_hq, b,
+                                          mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len, IS_CAUSAL, 0)
+                vis_b, bias = _visibility(j, key_ok & m_holes, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h,
+                                          smk_t, smk_j, mask_len, IS_CAUSAL, MASK_KIND)
+                vis = tl.where(m_holes, vis_b, vis_i)
             else:
                 vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
                                         mask_len, IS_CAUSAL, MASK_KIND)
@@ -598,8 +612,13 @@ def _prefill_rows(qq_ptr, pid_bh, b, h, r, row_ok, row_t, row_hq, row_pos, lengt
 
 @triton.jit(do_not_specialize=["L", "s_row"])
 def _mask_rows_kernel(mask_ptr, s_row, out_ptr, L, BLOCK: tl.constexpr):
+    _row_bounds(mask_ptr, s_row, out_ptr, tl.program_id(0), L, BLOCK)
+
+
+@triton.jit
+def _row_bounds(mask_ptr, s_row, out_ptr, row, L, BLOCK: tl.constexpr):
     """First and last visible key of one bool mask row, and whether every key between them is visible."""
-    row = tl.program_id(0).to(tl.int64)
+    row = row.to(tl.int64)
     first = L
     last = -1
     count = 0
@@ -624,11 +643,15 @@ def _mask_bounds(mask4: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], 3, dtype=torch.int32, device=mask4.device)
     if rows.shape[0]:
-        # one program a row, in few wide steps: a decode step reads it once a layer, and 1 KB steps made it
-        # ~1 ms of a 36 ms step at 93 rows x 32K
-        block = min(8192, max(1024, triton.next_power_of_2(n)))
+        block = _mask_block(n)
         _mask_rows_kernel[(rows.shape[0],)](rows, rows.stride(0), out, n, BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return out.reshape(*lead, 3)
+
+
+def _mask_block(n: int) -> int:
+    """Bytes of a mask row a bounds program reads a step: few wide steps (a decode step reads the row once a layer,
+    and 1 KB steps made it ~1 ms of a 36 ms step at 93 rows x 32K)."""
+    return min(8192, max(1024, triton.next_power_of_2(n)))
 
 
 @triton.jit(do_not_specialize=["sbt_b", "S", "W", "P"])
@@ -1061,6 +1084,13 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
         return out
     pos = positions.expand(b, t) if positions.dim() == 1 else positions
     lens = seq_lens.expand(b) if seq_lens.numel() == 1 else seq_lens
+    # A decode step's chunk is its new token, which the store also wrote to the ring (or a sink): read there, the
+    # BF16 launch drops the chunk's pointer selects and the call the reductions that find the chunk's bounds (four
+    # small launches a layer). Forced chunk modes (dense_chunk) keep it.
+    ring_chunk = k_chunk is not None and t == 1 and geo.window > 0 and dense_chunk is None and not ablate
+    LAST_LAUNCH["chunk_from_ring"] = ring_chunk
+    if ring_chunk:
+        k_chunk = v_chunk = chunk_positions = None
     has_chunk = k_chunk is not None
     chunk_len = k_chunk.shape[1] if has_chunk else 0
     if attn_mask is not None:
@@ -1189,11 +1219,17 @@ def _gathered_prefix(geo, lens, c0, has_chunk, kw, k_meta, vw, v_meta, k_sink, v
     return k, v
 
 
-def _rotate_queries(plan, q, bq, qq, rows, scale, h, g, d):
-    """``qq = q B_q * scale * log2(e)``: the query rows of a tile, rotated once (not once per split)."""
-    _query_kernel[(triton.cdiv(rows, plan.block_m), h)](q, q.stride(0), q.stride(1), q.stride(2), bq, qq, plan.m_total,
-                                                        rows, scale * LOG2E, H=h, G=g, D=d, BLOCK_M=plan.block_m,
-                                                        KC=min(d, 64))
+def _rotate_queries(plan, q, bq, qq, rows, scale, h, g, d, mask_rows=None, bounds=None):
+    """``qq = q B_q * scale * log2(e)``: the query rows of a tile, rotated once (not once per split). With
+    ``mask_rows`` (a uint8 ``[R, L]`` view, unit stride), the same launch writes their bounds to ``bounds`` ``[R, 3]``
+    (see :func:`_mask_bounds`)."""
+    nq = triton.cdiv(rows, plan.block_m)
+    n_mask, length = (0, 0) if mask_rows is None else mask_rows.shape
+    _query_kernel[(nq + n_mask, h)](q, q.stride(0), q.stride(1), q.stride(2), bq, qq, plan.m_total, rows,
+                                    scale * LOG2E, nq, qq if mask_rows is None else mask_rows,
+                                    0 if mask_rows is None else mask_rows.stride(0), qq if bounds is None else bounds,
+                                    length, H=h, G=g, D=d, BLOCK_M=plan.block_m, KC=min(d, 64),
+                                    MASK_BLOCK=_mask_block(length))
 
 
 def _rows_type(dtype: torch.dtype, dt):
@@ -1254,9 +1290,13 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
         # found once and read by the page and BF16 launches as two bounds a row where the row is one interval.
         # Only where rows fill the GPU: finding the bounds is one program a row (a 128K row alone took ~25 us a
         # layer, more than reading the mask a byte a key saves at batch 1).
-        bounds = _mask_bounds(mask[:, :1, :1]).reshape(b, 3)
+        # (found by the query launch: no launch of their own)
+        mask_rows = mask[:, 0, 0]
+        if mask_rows.stride(-1) != 1:  # pragma: no cover - a model's mask row is contiguous
+            mask_rows = mask_rows.contiguous()
+        bounds = torch.empty(b, 3, dtype=torch.int32, device=q.device)
     LAST_LAUNCH["mask_bounds"] = bounds is not None
-    _rotate_queries(plan, q, bq, qq, rows, scale, h, g, d)
+    _rotate_queries(plan, q, bq, qq, rows, scale, h, g, d, None if bounds is None else mask_rows, bounds)
     args = (
         qq, pos, pos.stride(0), lens, lens.stride(0),
         c0, c_end, kch, vch, kch.stride(0), kch.stride(1), kch.stride(2),
@@ -1274,6 +1314,12 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     # warps: page_warps for the page region alone, else num_warps for both regions, else the heuristic
     page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, plan.page_m_blocks, plan.page_m, q.device)
     cdt = _rows_type(kch.dtype, dt)  # the chunk launch's operands
+    if dense_chunk and plan.nb != 1:  # pragma: no cover - the plan gives a prefill one BF16 split
+        raise ValueError("oscar: the chunk's own launch needs the BF16 keys in one split (a prefill plan)")
+    LAST_LAUNCH["dense_chunk"] = dense_chunk
+    LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, plan.m_blocks, plan.nb)](
+        *args, REGION=1, BLOCK_M=plan.block_m, BLOCK_N=BF16_BLOCK_N, num_warps=bf16_warps or num_warps or 4,
+        DENSE_CHUNK=dense_chunk, CDT=cdt, SKIP_EMPTY=plan.tile_tokens > 1, MASK_BOUNDS=bounds is not None, **meta)
     if plan.nsplit == 0:  # no pages
         LAST_LAUNCH.pop("attention", None)
     elif plan.page_kernel == "gluon":
@@ -1286,12 +1332,6 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     else:
         LAST_LAUNCH["attention"] = _attn_kernel[(b * h, plan.page_m_blocks, plan.nsplit)](
             *args, REGION=0, BLOCK_M=plan.page_m, BLOCK_N=plan.block_n, **meta, **page_opts)
-    if dense_chunk and plan.nb != 1:  # pragma: no cover - the plan gives a prefill one BF16 split
-        raise ValueError("oscar: the chunk's own launch needs the BF16 keys in one split (a prefill plan)")
-    LAST_LAUNCH["dense_chunk"] = dense_chunk
-    LAST_LAUNCH["attention_bf16"] = _attn_kernel[(b * h, plan.m_blocks, plan.nb)](
-        *args, REGION=1, BLOCK_M=plan.block_m, BLOCK_N=BF16_BLOCK_N, num_warps=bf16_warps or num_warps or 4,
-        DENSE_CHUNK=dense_chunk, CDT=cdt, SKIP_EMPTY=plan.tile_tokens > 1, MASK_BOUNDS=bounds is not None, **meta)
     if dense_chunk:
         cm = chunk_block_m or plan.block_m
         LAST_LAUNCH["attention_chunk"] = _attn_kernel[(b * h, triton.cdiv(m_total, cm), 1)](

@@ -95,11 +95,13 @@ def _run_case(h, gqa, d, lengths, s, w, ps, decode_steps, group=None, clip=1.0, 
     for _ in range(decode_steps):
         p1 = torch.tensor(lens, device=DEV)[:, None]
         k1, v1 = (torch.randn(batch, h, 1, d, generator=gen).to(DEV, dtype) for _ in range(2))
-        store_reference(*ref.store_args(0, k1, v1, p1))
+        ck1, cv1 = store_reference(*ref.store_args(0, k1, v1, p1))
         store_triton(*got.store_args(0, k1, v1, p1))
         q1 = torch.randn(batch, h * gqa, 1, d, generator=gen).to(DEV, dtype)
-        a = ref.attention_args(0, q1, p1, p1[:, 0] + 1)
+        # with the store's chunk, as a model's graph passes it: the Triton op reads the new token from the ring
+        a = ref.attention_args(0, q1, p1, p1[:, 0] + 1, chunk=(ck1, cv1, p1))
         assert rel_error(attention_triton(*a, **kernel_options), attention_reference(*a)) < ATTN_TOL
+        assert LAST_LAUNCH["chunk_from_ring"] == (w > 0 and "dense_chunk" not in kernel_options)
         lens = [n + 1 for n in lens]
     _assert_same_cache(ref, got)
 
@@ -517,10 +519,11 @@ def test_gluon_decode_launch_shapes_gpu(cfg, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "not_causal"])
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 @pytest.mark.parametrize("heads, interval", [(32, False), (1, False), (1, True)],
                          ids=["mask_per_head", "one_mask_row", "one_interval_row"])
-def test_gluon_decode_with_bool_mask_and_page_size_32_gpu(heads, interval, wide, monkeypatch):
+def test_gluon_decode_with_bool_mask_and_page_size_32_gpu(heads, interval, wide, causal, monkeypatch):
     # a mask row per query head (read a key and head), or one row every head shares (a model's [B, 1, 1, L]
     # mask): read a key where it has holes, as two bounds where it is one interval (left padding; row 1 sees
     # keys 300..1199 only); both launch shapes (two tiles a block: a key's page is its tile's, page size 32)
@@ -544,7 +547,8 @@ def test_gluon_decode_with_bool_mask_and_page_size_32_gpu(heads, interval, wide,
     else:
         keep = torch.rand(3, heads, 1, 2200, generator=gen) > 0.3
         keep[..., 0] = True
-    a = ref.attention_args(0, q1, p1, p1[:, 0] + 1, keep.to(DEV), True)
+    # not causal: what transformers' generate passes with its mask (the mask alone hides the future)
+    a = ref.attention_args(0, q1, p1, p1[:, 0] + 1, keep.to(DEV), causal)
     out = attention_triton(*a, page_kernel="gluon")
     assert LAST_LAUNCH["plan"].page_kernel == "gluon" and LAST_LAUNCH["mask_bounds"] == (interval and heads == 1)
     assert rel_error(out, attention_reference(*a)) < ATTN_TOL
