@@ -451,8 +451,8 @@ def _attn_kernel(
                 # A row of one interval: two compares a key, no mask byte loaded (the byte loads are predicated
                 # off); a row with holes: a byte a key and row. Branch-free: a branch in the loop body can keep
                 # Triton from pipelining the loads (SKIP_EMPTY above).
-                vis_i, bias = _visibility(j, key_ok & (j >= m_first) & (j <= m_last), row_t, row_pos, row_hq, b,
-                                          mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len, IS_CAUSAL, 0)
+                vis_i, _ = _visibility(j, key_ok & (j >= m_first) & (j <= m_last), row_t, row_pos, row_hq, b,
+                                       mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len, IS_CAUSAL, 0)
                 vis_b, bias = _visibility(j, key_ok & m_holes, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h,
                                           smk_t, smk_j, mask_len, IS_CAUSAL, MASK_KIND)
                 vis = tl.where(m_holes, vis_b, vis_i)
@@ -638,14 +638,19 @@ def _mask_bounds(mask4: torch.Tensor) -> torch.Tensor:
     its first and last visible key, and whether every key between them is visible. One pass over the mask, nothing
     read back (the fused prefill launches once for blocks of interval rows and once for the rest)."""
     lead, n = mask4.shape[:-1], mask4.shape[-1]
-    rows = mask4.reshape(-1, n)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _mask_rows(mask4)
     out = torch.empty(rows.shape[0], 3, dtype=torch.int32, device=mask4.device)
     if rows.shape[0]:
         block = _mask_block(n)
         _mask_rows_kernel[(rows.shape[0],)](rows, rows.stride(0), out, n, BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return out.reshape(*lead, 3)
+
+
+def _mask_rows(mask4: torch.Tensor) -> torch.Tensor:
+    """A uint8 mask ``[..., L]`` as ``[R, L]`` rows of unit stride (a view where it can be: a broadcast row keeps
+    stride 0), what the bounds programs read."""
+    rows = mask4.reshape(-1, mask4.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def _mask_block(n: int) -> int:
@@ -1291,9 +1296,7 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
         # Only where rows fill the GPU: finding the bounds is one program a row (a 128K row alone took ~25 us a
         # layer, more than reading the mask a byte a key saves at batch 1).
         # (found by the query launch: no launch of their own)
-        mask_rows = mask[:, 0, 0]
-        if mask_rows.stride(-1) != 1:  # pragma: no cover - a model's mask row is contiguous
-            mask_rows = mask_rows.contiguous()
+        mask_rows = _mask_rows(mask[:, :1, :1])
         bounds = torch.empty(b, 3, dtype=torch.int32, device=q.device)
     LAST_LAUNCH["mask_bounds"] = bounds is not None
     _rotate_queries(plan, q, bq, qq, rows, scale, h, g, d, None if bounds is None else mask_rows, bounds)
