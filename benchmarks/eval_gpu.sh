@@ -6,7 +6,9 @@
 #   bash benchmarks/eval_gpu.sh py GGUF_NAME SCRIPT [args...]   # the same staging, then a python script
 # "run" concatenates /tmp/stage/part* (in name order) into $OSCAR_CACHE/gguf/GGUF_NAME (the name the package's
 # assets expect; its sha256 is checked where the model is defined), installs carried wheels from .whl/ (gguf),
-# unpacks carried texts (*.tgz in the stage) and tokenizers (tokenizers.tgz) into the cache, and runs `python -m oscar_compile eval --device cuda`.
+# unpacks carried texts (*.tgz in the stage), tokenizers (tokenizers.tgz) and calibrated artifacts (artifacts.tgz: the
+# ones calibrated elsewhere, so the GPU evaluates the same rotations as the CPU) into the cache, and runs
+# `python -m oscar_compile eval --device cuda`.
 set -e
 export OSCAR_CACHE=${OSCAR_CACHE:-/tmp/oc} PYTHONUNBUFFERED=1
 mkdir -p /tmp/stage "$OSCAR_CACHE/gguf" "$OSCAR_CACHE/text"
@@ -15,9 +17,13 @@ case $1 in
   run|py) mode=$1 name=$2; shift 2
        [ -f "$OSCAR_CACHE/gguf/$name" ] || cat $(ls /tmp/stage/part* | sort) > "$OSCAR_CACHE/gguf/$name"
        # texts.tgz holds texts; tokenizers.tgz, tokenizers saved by a transformers whose GGUF conversion is right
-       mkdir -p "$OSCAR_CACHE/tokenizers"
+       mkdir -p "$OSCAR_CACHE/tokenizers" "$OSCAR_CACHE/artifacts"
        for t in /tmp/stage/*.tgz; do
-         case $t in */tokenizers.tgz) tar xzf "$t" -C "$OSCAR_CACHE/tokenizers" ;; *) tar xzf "$t" -C "$OSCAR_CACHE/text" ;; esac
+         case $t in
+           */tokenizers.tgz) tar xzf "$t" -C "$OSCAR_CACHE/tokenizers" ;;
+           */artifacts.tgz) tar xzf "$t" -C "$OSCAR_CACHE/artifacts" ;;
+           *) tar xzf "$t" -C "$OSCAR_CACHE/text" ;;
+         esac
        done
        if ls .whl/*.whl > /dev/null 2>&1; then
          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
