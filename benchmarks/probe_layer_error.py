@@ -8,6 +8,12 @@ in the artifact's basis. Reported: the relative error of the attention output (a
 only, values only and both quantized, per window and group size. Cheap next to a perplexity run (one
 forward), so candidate fixes can be compared here first.
 
+``--shifts`` moves every query and key of the sequence further along by the model's RoPE (a rotation by the
+same extra angle for both, so every attention score, and so the reference output, is unchanged): what the
+same text looks like to the INT2 basis at positions a short forward never reaches (30720 + a 2048-token
+sequence: the last 2K positions of a 32K context). The error at a shift against the error at 0 is the cost of
+the basis having been calibrated at short positions.
+
     python benchmarks/probe_layer_error.py --model gemma3-270m --context 8192 --artifact ~/.cache/oscar-compile/artifacts/NAME
 """
 
@@ -33,6 +39,27 @@ def capture(model, ids: torch.Tensor) -> dict:
         hf_forward(compiled, ids)
     torch._dynamo.reset()
     return {layer: (h.q[0], h.k[0], h.v[0]) for layer, h in obs.heldout.items()}
+
+
+def rope_inv_freq(model, layer_type: str | None) -> torch.Tensor:
+    """The inverse RoPE frequencies of a layer type (``{type}_inv_freq`` buffer, else the model's ``inv_freq``)."""
+    bufs = dict(model.named_buffers())
+    for name, b in bufs.items():
+        if layer_type and name.endswith(f"{layer_type}_inv_freq") and "original" not in name:
+            return b.float()
+    for name, b in bufs.items():
+        if name.endswith("inv_freq") and "original" not in name:
+            return b.float()
+    raise SystemExit("probe: no RoPE inv_freq buffer in this model (--shifts needs one)")
+
+
+def rope_shift(x: torch.Tensor, inv_freq: torch.Tensor, shift: int) -> torch.Tensor:
+    """``x`` (post-RoPE, rotate-half layout, ``[..., d]``) as it would be ``shift`` positions later."""
+    ang = shift * inv_freq.double()
+    cos, sin = torch.cat([ang.cos(), ang.cos()]).float(), torch.cat([ang.sin(), ang.sin()]).float()
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rot * sin
 
 
 def output_errors(q, k, v, tr, scale: float, sinks: int, window: int, queries: int, group_size=None) -> dict:
@@ -77,6 +104,7 @@ def main():
     ap.add_argument("--windows", default="256,1024")
     ap.add_argument("--group-sizes", default="0,32", help="0: one group a row")
     ap.add_argument("--offset", type=int, default=0, help="first token of the sequence in the evaluation text")
+    ap.add_argument("--shifts", default="0", help="extra RoPE positions for queries and keys (see above)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from oscar_compile.assets import load_model, load_text
@@ -98,16 +126,23 @@ def main():
         scale = getattr(cfg, "query_pre_attn_scalar", None)
         scale = scale**-0.5 if scale else d**-0.5
         tr = art.layer_transforms(layer, k.shape[1], d)
-        for w in map(int, a.windows.split(",")):
-            for gs in map(int, a.group_sizes.split(",")):
-                e = output_errors(q, k, v, tr, scale, a.sinks, w, a.queries, gs or None)
-                rows.append({"layer": layer, "window": w, "group_size": gs or d, **e})
-                print(f"layer {layer:2d} window {w:5d} group {gs or d:4d}: keys {e['keys']['mean']:.4f} "
-                      f"values {e['values']['mean']:.4f} both {e['both']['mean']:.4f}  per KV head {e['both']['per_kv_head']}",
-                      flush=True)
+        types = getattr(cfg, "layer_types", None)
+        for shift in map(int, a.shifts.split(",")):
+            if shift:
+                inv = rope_inv_freq(model, types[layer] if types else None)
+                qs, ks = rope_shift(q.float(), inv, shift), rope_shift(k.float(), inv, shift)
+            else:
+                qs, ks = q, k
+            for w in map(int, a.windows.split(",")):
+                for gs in map(int, a.group_sizes.split(",")):
+                    e = output_errors(qs, ks, v, tr, scale, a.sinks, w, a.queries, gs or None)
+                    rows.append({"layer": layer, "shift": shift, "window": w, "group_size": gs or d, **e})
+                    print(f"layer {layer:2d} shift {shift:6d} window {w:5d} group {gs or d:4d}: keys {e['keys']['mean']:.4f} "
+                          f"values {e['values']['mean']:.4f} both {e['both']['mean']:.4f}  per KV head "
+                          f"{e['both']['per_kv_head']}", flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"model": a.model, "context": a.context, "artifact": str(a.artifact),
-                                           "method": art.method, "rows": rows}, indent=1))
+                                           "method": art.method, "shifts": a.shifts, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

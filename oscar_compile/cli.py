@@ -97,7 +97,7 @@ def _eval(args) -> int:
         # cached per (model, method, tokens, sequence length) like the demo's: a second eval run does not recalibrate
         found, _ = cached_artifacts_for(model, tok, args.model, [base[n] for n in group], args.calib_tokens, seq_len=seq,
                                         check_len=args.check_len, check_seqs=args.check_seqs, num_sinks=args.sinks,
-                                        window=args.window)
+                                        window=args.window, position_range=_positions_arg(args.calib_positions))
         artifacts.update({n: found[base[n]] for n in group})
     model.to(device=device, dtype=dtype)
     methods = []
@@ -217,6 +217,19 @@ def _explain(args) -> int:
     return 0 if report.num_rewritten else 1
 
 
+def _positions_arg(value: str):
+    """``--calib-positions``/``--positions``: "auto", or a token count (0: none)."""
+    if value == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except ValueError:
+        raise SystemExit(f"oscar: a position range is 'auto' or a number of tokens, not {value!r}")
+    if n < 0:
+        raise SystemExit(f"oscar: a position range must be >= 0, not {n}")
+    return n or None
+
+
 def _tokenize(tok, model, text: str):
     import torch
 
@@ -246,7 +259,8 @@ def _calibrate(args) -> int:
     if ids.numel() < need:
         print(f"oscar calibrate: {desc} has {ids.numel()} tokens, fewer than the {need} asked for: using all of it")
     batches = token_batches(ids, args.seq_len, args.batch_size, max_tokens=need)
-    stats = collect_statistics(model, batches, data_description=desc, skip_first=args.skip_first)
+    stats = collect_statistics(model, batches, data_description=desc, skip_first=args.skip_first,
+                               position_range=_positions_arg(args.positions))
     artifacts = derive_artifacts(stats, args.method, group_size=args.group_size, progress=True)
     if check and artifacts.options.get("clip_grid"):  # the clipped methods: the check measures their clips
         start = need  # after every calibration token
@@ -287,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--check-seqs", type=int, default=2)
     ev.add_argument("--calib-seq-len", type=int, default=512,
                     help="calibration sequence length; a method written name@S overrides it (e.g. default@4096)")
+    ev.add_argument("--calib-positions", default="auto",
+                    help="calibration rows start at positions spread over this many tokens, the context served (auto: "
+                         "the model's max_position_embeddings; 0: every row at position 0, as before 2026-12-04)")
     ev.add_argument("--ppl-contexts", default="512,2048")
     ev.add_argument("--ppl-decode", type=int, default=64)
     ev.add_argument("--ppl-sequences", type=int, default=4)
@@ -336,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--batch-size", type=int, default=4)
     cal.add_argument("--group-size", type=int, default=None)
     cal.add_argument("--skip-first", type=int, default=4, help="leading positions (attention sinks) left out of the statistics")
+    cal.add_argument("--positions", default="auto",
+                     help="rows start at positions spread over this many tokens, the context the artifact serves "
+                          "(auto: the model's max_position_embeddings; 0: every row at position 0)")
     cal.add_argument("--check-len", type=int, default=2048,
                      help="check every layer on sequences this long after calibrating (0: no check); outlier layers are "
                           "kept in BF16 (the artifact's bf16_layers); use about the context you serve")

@@ -39,27 +39,37 @@ def _calibration_rows(seq_len: int) -> int:
 
 def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens: int, progress: bool = True,
                          seq_len: int = 512, check_len: int = 0, check_seqs: int = 2, num_sinks: int = 64,
-                         window: int = 256):
+                         window: int = 256, position_range: int | str | None = "auto"):
     """Artifacts of each method for ``model``, calibrated on the handbook (see :func:`calibration_text_name`)
     in sequences of ``seq_len`` tokens and cached under the user cache dir. The statistics are collected once,
     for the methods not cached. ``check_len``: also check every layer on ``check_seqs`` sequences of that many
     tokens (the handbook's text after the calibration tokens; :func:`~.calibration.check_layers`, with the
     cache's ``num_sinks`` and ``window`` exact), which keeps the outlier layers in BF16; cached apart from the
-    unchecked artifacts.
+    unchecked artifacts. ``position_range``: calibration rows start at positions spread over that many
+    (:func:`~.calibration.tracer.position_spread_forward`; ``"auto"``: the model's context, ``None``: all at
+    position 0); cached apart.
 
     Returns ``({method: Artifacts}, {methods loaded from the cache})``.
     """
     from .assets import cache_dir, load_text
     from .calibration import (ArtifactError, check_layers, collect_statistics, derive_artifacts, load_artifacts,
                               parse_method, token_batches)
+    from .calibration.tracer import model_context_length
+
+    if position_range == "auto":
+        position_range = model_context_length(model)
+    if position_range and position_range <= seq_len:
+        position_range = None
 
     def path(method, checked=False):
         seq = "" if seq_len == 512 else f"-s{seq_len}"
+        seq += f"-p{position_range}" if position_range else ""
         check = f"-c{check_len}x{check_seqs}-sw{num_sinks}_{window}" if checked else ""
         return cache_dir() / "artifacts" / f"{model_name}-{parse_method(method).name}-{tokens}{seq}{check}"
 
     if check_len:
-        found, cached = cached_artifacts_for(model, tok, model_name, methods, tokens, progress, seq_len)
+        found, cached = cached_artifacts_for(model, tok, model_name, methods, tokens, progress, seq_len,
+                                             position_range=position_range)
         calibrated = [m for m in found if parse_method(m).clip_search]  # the check measures the clipped methods
         todo = [m for m in calibrated if not (path(m, True) / "oscar.json").exists()]
         stream = tok(load_text(calibration_text_name()), return_tensors="pt").input_ids[0] if todo else None
@@ -95,7 +105,8 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
         tok_ids = tok(load_text(text_name), return_tensors="pt").input_ids[0]
         seq, bs = seq_len, _calibration_rows(seq_len)
         batches = token_batches(tok_ids, seq, bs, max_tokens=tokens + seq * bs)
-        stats = collect_statistics(model, batches, data_description=text_name, progress=progress)
+        stats = collect_statistics(model, batches, data_description=text_name, progress=progress,
+                                   position_range=position_range)
         for method in missing:
             found[method] = derive_artifacts(stats, method, progress=progress)
             found[method].save(path(method))

@@ -16,18 +16,56 @@ from .rotations import derive_transforms, parse_method
 from .statistics import StatsObserver
 
 
-def hf_forward(model, batch: torch.Tensor):
+def hf_forward(model, batch: torch.Tensor, position_ids: torch.Tensor | None = None):
     """One calibration forward of a transformers causal LM: a prefill into a fresh DynamicCache.
 
     Built without the config, so every layer is a plain growing one: a sliding-window layer's own cache
     crops to its window (an update the matcher does not model), while the model's masks still apply the
-    window over absolute positions."""
+    window over absolute positions. ``position_ids`` (``[B, T]``) place the tokens elsewhere than 0..T-1
+    for the model's position encoding only (masks follow the cache positions)."""
     from transformers import DynamicCache
 
     from ..hf import cache_kwarg
 
     inner = getattr(model, "_orig_mod", model)
-    return model(batch, **{cache_kwarg(inner): DynamicCache()}, use_cache=True)
+    extra = {} if position_ids is None else {"position_ids": position_ids}
+    return model(batch, **{cache_kwarg(inner): DynamicCache()}, use_cache=True, **extra)
+
+
+def model_context_length(model) -> int | None:
+    """The context a model's config says it serves (``max_position_embeddings``), or None."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    n = getattr(cfg, "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def position_offsets(first_row: int, rows: int, seq_len: int, position_range: int) -> torch.Tensor:
+    """Start positions of calibration rows ``first_row .. first_row + rows - 1``, spread evenly (golden-ratio
+    sequence) over ``[0, position_range - seq_len]``; row 0 starts at 0."""
+    span = max(position_range - seq_len, 0)
+    idx = torch.arange(first_row, first_row + rows, dtype=torch.float64)
+    return torch.floor(torch.frac(idx * 0.6180339887498949) * (span + 1)).long()
+
+
+def position_spread_forward(position_range: int, base: Callable = hf_forward) -> Callable:
+    """A calibration ``forward`` that runs each row at its own start position (:func:`position_offsets`).
+
+    Why: queries and keys are recorded after the model's rotary position encoding, which turns a channel
+    pair by an angle that grows with the position. Rows at positions 0..511 see the low-frequency pairs
+    barely turned, so a basis fitted on them does not fit the keys at position 30000: the same text's INT2
+    key error grew 2-7x when moved there (``benchmarks/probe_layer_error.py --shifts``). Moving a whole row
+    changes no attention score (RoPE depends on relative positions only), so the statistics stay those of
+    real attention, now over every position a served context reaches."""
+    state = {"row": 0}
+
+    def forward(model, batch):
+        b, t = batch.shape
+        offsets = position_offsets(state["row"], b, t, position_range).to(batch.device)
+        state["row"] += b
+        return base(model, batch, position_ids=offsets[:, None] + torch.arange(t, device=batch.device)[None])
+
+    return forward
 
 
 @dataclass
@@ -69,6 +107,7 @@ def collect_statistics(
     forward: Callable | None = None,
     data_description: str = "",
     progress: bool = True,
+    position_range: int | str | None = "auto",
 ) -> CalibrationStats:
     """Run ``model`` on ``batches`` in observe mode and accumulate the per-layer statistics.
 
@@ -77,6 +116,10 @@ def collect_statistics(
     (layer, KV head) in float64. The last ``heldout_batches`` batches are kept whole for the clip
     search instead. ``forward(model, batch)`` runs one batch (default: a transformers prefill into a
     fresh ``DynamicCache``). Positions ``< skip_first`` (attention sinks) are left out of the statistics.
+    ``position_range``: run the rows at start positions spread over ``[0, position_range)`` (the context the
+    artifact will serve; see :func:`position_spread_forward`); ``None`` runs every row from position 0;
+    ``"auto"`` (default): the model config's ``max_position_embeddings`` with the default ``forward``, and
+    ``None`` with a ``forward`` of one's own (which then need not take ``position_ids``).
     """
     from ..tensor_parallel import tensor_parallel_size
 
@@ -90,6 +133,15 @@ def collect_statistics(
                          "search and still leave data for the statistics")
     observer = StatsObserver(skip_first=skip_first)
     t0 = time.perf_counter()
+    if position_range == "auto":
+        position_range = model_context_length(model) if forward is None else None
+        if position_range and position_range <= batches[0].shape[-1]:
+            position_range = None  # rows already reach the model's whole context
+    if position_range:
+        if position_range < batches[0].shape[-1]:
+            raise ValueError(f"oscar calibrate: position_range {position_range} is shorter than a calibration "
+                             f"sequence ({batches[0].shape[-1]} tokens)")
+        forward = position_spread_forward(position_range, forward or hf_forward)
     first_heldout = len(batches) - heldout_batches
     run_observed(model, batches, observer, forward=forward, progress=progress,
                  phase_of=lambda i: "heldout" if i >= first_heldout else "stats")
@@ -107,7 +159,7 @@ def collect_statistics(
     first = observer.layers[0]
     fingerprint = model_fingerprint(model, len(layers), first.num_q_heads, first.num_kv_heads, first.head_dim)
     info = {"data": data_description, "tokens": tokens, "heldout_tokens": heldout, "batches": len(batches),
-            "batch_shape": list(batches[0].shape), "skip_first": skip_first,
+            "batch_shape": list(batches[0].shape), "skip_first": skip_first, "position_range": position_range,
             "seconds": round(time.perf_counter() - t0, 1)}
     return CalibrationStats(observer, fingerprint, info)
 
@@ -188,6 +240,7 @@ def calibrate(
     forward: Callable | None = None,
     data_description: str = "",
     progress: bool = True,
+    position_range: int | str | None = "auto",
 ) -> Artifacts:
     """Calibrate ``model`` on token ``batches`` (``[B, T]`` LongTensors) and return :class:`Artifacts`.
 
@@ -196,7 +249,8 @@ def calibrate(
     :func:`~.rotations.sorted_eigenbasis`); a clip ratio whose held-out errors tie can still differ.
     """
     stats = collect_statistics(model, batches, heldout_batches=heldout_batches, skip_first=skip_first,
-                               forward=forward, data_description=data_description, progress=progress)
+                               forward=forward, data_description=data_description, progress=progress,
+                               position_range=position_range)
     return derive_artifacts(stats, method, group_size=group_size, clip_grid=clip_grid, progress=progress)
 
 

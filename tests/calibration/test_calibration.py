@@ -306,6 +306,46 @@ def test_calibrate_each_family_and_compile_with_the_artifact(family, tmp_path):
     assert all(len(g.rewritten) == model.config.num_hidden_layers for g in backend.graphs)
 
 
+def test_position_offsets_spread_rows_over_the_served_range():
+    from oscar_compile.calibration.tracer import position_offsets
+
+    off = position_offsets(0, 64, 512, 32768)
+    assert off[0] == 0 and off.min() >= 0 and off.max() <= 32768 - 512
+    assert len(set(off.tolist())) == 64  # every row somewhere else
+    hist = torch.histc(off.double(), bins=4, min=0, max=32768 - 512)
+    assert hist.min() >= 12  # evenly spread (golden-ratio sequence), not clustered: 16 a quarter, +-4
+    # batch after batch continues the same sequence
+    parts = torch.cat([position_offsets(0, 3, 512, 32768), position_offsets(3, 5, 512, 32768)])
+    assert torch.equal(parts, position_offsets(0, 8, 512, 32768))
+    assert torch.equal(position_offsets(0, 4, 512, 512), torch.zeros(4, dtype=torch.long))
+
+
+def test_calibration_rows_run_at_spread_positions_through_the_models_rope():
+    # The rows are moved by position_ids only: values (no RoPE) are the same tensors, keys and queries are turned
+    # by RoPE (same norms, so the same traces, different second-moment matrices); nothing else changes.
+    from oscar_compile.calibration import collect_statistics
+
+    model = tiny_model("llama")
+    batches = _batches()
+    at0 = collect_statistics(model, batches, position_range=None, progress=False)
+    spread = collect_statistics(model, batches, position_range=256, progress=False)
+    auto = collect_statistics(model, batches, progress=False)
+    assert at0.info["position_range"] is None and spread.info["position_range"] == 256
+    assert auto.info["position_range"] == model.config.max_position_embeddings == 256
+    a, b = at0.observer.layers[0], spread.observer.layers[0]
+    assert torch.equal(a.value_moment, b.value_moment) and torch.equal(a.value_sum, b.value_sum)
+    # float32 RoPE at other angles: norms agree to rounding
+    trace = lambda m: torch.diagonal(m, dim1=-2, dim2=-1).sum(-1)  # noqa: E731
+    torch.testing.assert_close(trace(b.key_moment), trace(a.key_moment), rtol=1e-5, atol=0)
+    torch.testing.assert_close(trace(b.query_moment), trace(a.query_moment), rtol=1e-5, atol=0)
+    assert (b.key_moment - a.key_moment).abs().max() > 1e-2 * a.key_moment.abs().max()
+    # a forward of one's own need not take position_ids: "auto" leaves its rows at position 0
+    own = collect_statistics(model, batches, forward=lambda m, x: m(x), progress=False)
+    assert own.info["position_range"] is None
+    with pytest.raises(ValueError, match="shorter than a calibration sequence"):
+        collect_statistics(model, batches, position_range=8, progress=False)
+
+
 def test_calibrate_hand_written_decoder():
     model = TinyDecoder()
     art = calibrate(model, _batches(), forward=lambda m, x: m(x, torch.arange(x.shape[1])), progress=False)
@@ -444,7 +484,8 @@ def test_cached_artifacts_with_a_long_context_check(tmp_path, monkeypatch):
     art = found["default"]
     assert not cached and len(art.calibration["check_relative_error"]) == 2 and art.calibration["check_tokens"] == 192
     names = sorted(p.name for p in (tmp_path / "artifacts").iterdir())
-    assert names == ["tiny-oscar+mean+scale-4096-s64", "tiny-oscar+mean+scale-4096-s64-c96x2-sw2_8"]
+    # rows spread over the tiny model's 256 positions ("auto"), so the names say so
+    assert names == ["tiny-oscar+mean+scale-4096-s64-p256", "tiny-oscar+mean+scale-4096-s64-p256-c96x2-sw2_8"]
     again, cached = demo.cached_artifacts_for(model, tok, "tiny", ["default"], 4096, **kw)
     assert cached == {"default"} and again["default"].calibration["check_relative_error"] == art.calibration["check_relative_error"]
     with pytest.raises(ValueError, match="too few for a check"):
