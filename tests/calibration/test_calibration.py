@@ -346,6 +346,17 @@ def test_calibration_rows_run_at_spread_positions_through_the_models_rope():
         collect_statistics(model, batches, position_range=8, progress=False)
 
 
+def test_artifact_calibrated_at_position_0_only_warns_on_load(tmp_path):
+    art = calibrate(tiny_model("llama"), _batches(), progress=False)
+    art.save(tmp_path)
+    load_artifacts(tmp_path)  # this version's artifacts: no warning (pytest would show it; checked below)
+    manifest = json.loads((tmp_path / "oscar.json").read_text())
+    del manifest["calibration"]["position_range"]  # as written before the rows were spread
+    (tmp_path / "oscar.json").write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning, match="Recalibrate"):
+        load_artifacts(tmp_path)
+
+
 def test_calibrate_hand_written_decoder():
     model = TinyDecoder()
     art = calibrate(model, _batches(), forward=lambda m, x: m(x, torch.arange(x.shape[1])), progress=False)
