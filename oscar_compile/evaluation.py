@@ -357,6 +357,7 @@ def plot_report(report: dict, path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     ppl, ret = report["perplexity"], report["retrieval"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -366,7 +367,10 @@ def plot_report(report: dict, path) -> None:
         for r in (r for r in ppl if r["context"] == ctx):
             ax.scatter(r["bits_per_element"], r["nll"], s=40)
             ax.annotate(r["method"], (r["bits_per_element"], r["nll"]), fontsize=8, xytext=(4, 2), textcoords="offset points")
-        ax.set_xscale("log", base=2)
+        bits = [r["bits_per_element"] for r in ppl if r["context"] == ctx]
+        if max(bits) >= 4 * min(bits):  # a log axis only where it spans two octaves: otherwise it has no ticks
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.set_xlabel("bits per K/V element (metadata and BF16 tokens included)")
         ax.set_ylabel(f"loss (nats/token), context {ctx}")
         ax.set_title("loss vs bits")
@@ -384,6 +388,9 @@ def plot_report(report: dict, path) -> None:
         ax.set_ylabel("retrieval accuracy (passkey + needle, all depths)")
         ax.set_title("retrieval vs context")
         ax.legend(fontsize=8)
+    else:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no retrieval in this run", ha="center", va="center")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
