@@ -54,12 +54,9 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
     from .assets import cache_dir, load_text
     from .calibration import (ArtifactError, check_layers, collect_statistics, derive_artifacts, load_artifacts,
                               parse_method, token_batches)
-    from .calibration.tracer import model_context_length
+    from .calibration.tracer import resolve_position_range
 
-    if position_range == "auto":
-        position_range = model_context_length(model)
-    if position_range and position_range <= seq_len:
-        position_range = None
+    position_range = resolve_position_range(model, position_range, seq_len)  # resolved once: it names the cache
 
     def path(method, checked=False):
         seq = "" if seq_len == 512 else f"-s{seq_len}"

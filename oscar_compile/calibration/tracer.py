@@ -40,6 +40,23 @@ def model_context_length(model) -> int | None:
     return n if isinstance(n, int) and n > 0 else None
 
 
+def resolve_position_range(model, position_range: int | str | None, seq_len: int,
+                           own_forward: bool = False) -> int | None:
+    """The position range calibration rows are spread over, or None (every row at position 0).
+
+    ``"auto"``: the model config's ``max_position_embeddings``, unless rows run through a ``forward`` of one's
+    own (it need not take ``position_ids``) or already reach the whole context. An explicit range shorter than
+    a row is an error."""
+    if position_range == "auto":
+        position_range = None if own_forward else model_context_length(model)
+        if position_range and position_range <= seq_len:
+            return None
+    if position_range and position_range < seq_len:
+        raise ValueError(f"oscar calibrate: position_range {position_range} is shorter than a calibration "
+                         f"sequence ({seq_len} tokens)")
+    return position_range or None
+
+
 def position_offsets(first_row: int, rows: int, seq_len: int, position_range: int) -> torch.Tensor:
     """Start positions of calibration rows ``first_row .. first_row + rows - 1``, spread evenly (golden-ratio
     sequence) over ``[0, position_range - seq_len]``; row 0 starts at 0."""
@@ -133,14 +150,8 @@ def collect_statistics(
                          "search and still leave data for the statistics")
     observer = StatsObserver(skip_first=skip_first)
     t0 = time.perf_counter()
-    if position_range == "auto":
-        position_range = model_context_length(model) if forward is None else None
-        if position_range and position_range <= batches[0].shape[-1]:
-            position_range = None  # rows already reach the model's whole context
+    position_range = resolve_position_range(model, position_range, batches[0].shape[-1], forward is not None)
     if position_range:
-        if position_range < batches[0].shape[-1]:
-            raise ValueError(f"oscar calibrate: position_range {position_range} is shorter than a calibration "
-                             f"sequence ({batches[0].shape[-1]} tokens)")
         forward = position_spread_forward(position_range, forward or hf_forward)
     first_heldout = len(batches) - heldout_batches
     run_observed(model, batches, observer, forward=forward, progress=progress,
