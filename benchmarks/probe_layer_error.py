@@ -54,12 +54,12 @@ def rope_inv_freq(model, layer_type: str | None) -> torch.Tensor:
 
 
 def rope_shift(x: torch.Tensor, inv_freq: torch.Tensor, shift: int) -> torch.Tensor:
-    """``x`` (post-RoPE, rotate-half layout, ``[..., d]``) as it would be ``shift`` positions later."""
-    ang = shift * inv_freq.double()
-    cos, sin = torch.cat([ang.cos(), ang.cos()]).float(), torch.cat([ang.sin(), ang.sin()]).float()
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rot * sin
+    """``x`` (post-RoPE, transformers' rotate-half layout, ``[..., d]``) as it would be ``shift`` positions later:
+    RoPE at position p + shift is RoPE at p followed by RoPE at shift."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    ang = torch.cat([shift * inv_freq.double()] * 2)
+    return x * ang.cos().float() + rotate_half(x) * ang.sin().float()
 
 
 def output_errors(q, k, v, tr, scale: float, sinks: int, window: int, queries: int, group_size=None) -> dict:
