@@ -31,6 +31,13 @@ from .quant import bits_per_element, hadamard_matrix
 __all__ = ["LayerTransforms", "LayerKV", "PagedInt2KVCache", "MemoryReport", "CacheCapacityError"]
 
 
+def _inverse(m: torch.Tensor) -> torch.Tensor:
+    """Inverse of each ``[d, d]`` matrix of ``m`` (``[H, d, d]``), one at a time: torch 2.13's CPU wheel (oneMKL)
+    fails a batched float64 inverse at d = 256 once more than one thread runs ("Parameter 6 was incorrect on entry
+    to DLASWP"), which crashed calibrating Gemma-sized heads; one matrix at a time does not."""
+    return torch.stack([torch.linalg.inv(x) for x in m]) if m.dim() == 3 else torch.linalg.inv(m)
+
+
 @dataclass
 class LayerTransforms:
     """Per-KV-head transforms of one layer (DESIGN.md section 4); all matrices ``[H, d, d]``.
@@ -78,8 +85,8 @@ class LayerTransforms:
         """Build from ``A_k``, ``A_v`` (``[H, d, d]``, invertible); inverses are taken offline in float64."""
         a_k = key_transform.double()
         a_v = value_transform.double()
-        b_q = torch.linalg.inv(a_k).transpose(-1, -2)
-        b_o = torch.linalg.inv(a_v)
+        b_q = _inverse(a_k).transpose(-1, -2)
+        b_o = _inverse(a_v)
         h, d, _ = a_k.shape
         zero = torch.zeros(h, d, dtype=torch.float64)
         return cls(

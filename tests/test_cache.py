@@ -183,3 +183,21 @@ def test_copy_rows_to_a_storage_of_another_size():
     torch.testing.assert_close(_read(dst, 2, length), _read(src, 2, length), rtol=0, atol=0)
     with pytest.raises(CacheCapacityError):
         src.copy_rows_to(dst, 2, 30)  # dst holds 2 + 3 + 5 x 4 = 25 tokens a row
+
+
+def test_transforms_invert_wide_heads_with_several_threads():
+    # torch 2.13's CPU oneMKL fails a batched float64 inverse of [H, 256, 256] with 2+ threads; calibrating a model
+    # with head_dim 256 and several KV heads (Gemma) crashed there. Each head's inverse must come back exact.
+    gen = torch.Generator().manual_seed(0)
+    a_k = torch.linalg.qr(torch.randn(2, 256, 256, dtype=torch.float64, generator=gen))[0] * 1.5
+    a_v = torch.randn(2, 256, 256, dtype=torch.float64, generator=gen) + 16 * torch.eye(256, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tr = LayerTransforms.from_matrices(a_k, a_v)
+    finally:
+        torch.set_num_threads(threads)
+    eye = torch.eye(256).expand(2, 256, 256)
+    # float32 storage of well-conditioned float64 inverses: products equal the identity to ~1e-5
+    torch.testing.assert_close(tr.key_transform @ tr.query_transform.transpose(-1, -2), eye, rtol=0, atol=1e-4)
+    torch.testing.assert_close(tr.value_transform @ tr.output_transform, eye, rtol=0, atol=1e-4)
