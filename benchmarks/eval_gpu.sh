@@ -4,28 +4,33 @@
 #   bash benchmarks/eval_gpu.sh stage DIR            # a call that only carries pieces: copy DIR/* to /tmp/stage
 #   bash benchmarks/eval_gpu.sh run GGUF_NAME [oscar eval args...]
 #   bash benchmarks/eval_gpu.sh py GGUF_NAME SCRIPT [args...]   # the same staging, then a python script
-# "run" concatenates /tmp/stage/part* (in name order) into $OSCAR_CACHE/gguf/GGUF_NAME (the name the package's
+# "run" concatenates /tmp/stage/GGUF_NAME.part* (or, for a single model, /tmp/stage/part*), in name order, into
+# $OSCAR_CACHE/gguf/GGUF_NAME (the name the package's
 # assets expect; its sha256 is checked where the model is defined), installs carried wheels from .whl/ (gguf),
-# unpacks carried texts (*.tgz in the stage), tokenizers (tokenizers.tgz) and calibrated artifacts (artifacts.tgz: the
+# unpacks carried texts (*.tgz in the stage), tokenizers (tokenizers*.tgz) and calibrated artifacts (artifacts*.tgz: the
 # ones calibrated elsewhere, so the GPU evaluates the same rotations as the CPU) into the cache, and runs
-# `python -m oscar_compile eval --device cuda`.
+# `python -m oscar_compile eval --device cuda`. Run one `run` (or `py NAME -c pass`) per model first, then evals of
+# different models may run side by side (the same model's may not: they would convert its GGUF at once).
 set -e
 export OSCAR_CACHE=${OSCAR_CACHE:-/tmp/oc} PYTHONUNBUFFERED=1
 mkdir -p /tmp/stage "$OSCAR_CACHE/gguf" "$OSCAR_CACHE/text"
 case $1 in
   stage) cp "$2"/* /tmp/stage/; ls -la /tmp/stage ;;
   run|py) mode=$1 name=$2; shift 2
-       [ -f "$OSCAR_CACHE/gguf/$name" ] || cat $(ls /tmp/stage/part* | sort) > "$OSCAR_CACHE/gguf/$name"
+       parts=$(ls /tmp/stage/"$name".part* 2>/dev/null || ls /tmp/stage/part*)
+       [ -f "$OSCAR_CACHE/gguf/$name" ] || cat $(echo "$parts" | sort) > "$OSCAR_CACHE/gguf/$name"
        # texts.tgz holds texts; tokenizers.tgz, tokenizers saved by a transformers whose GGUF conversion is right
        mkdir -p "$OSCAR_CACHE/tokenizers" "$OSCAR_CACHE/artifacts"
        for t in /tmp/stage/*.tgz; do
+         [ "$t.done" -nt "$t" ] && continue  # unpacked once: evals of several models then start side by side
          case $t in
-           */tokenizers.tgz) tar xzf "$t" -C "$OSCAR_CACHE/tokenizers" ;;
-           */artifacts.tgz) tar xzf "$t" -C "$OSCAR_CACHE/artifacts" ;;
+           */tokenizers*.tgz) tar xzf "$t" -C "$OSCAR_CACHE/tokenizers" ;;
+           */artifacts*.tgz) tar xzf "$t" -C "$OSCAR_CACHE/artifacts" ;;
            *) tar xzf "$t" -C "$OSCAR_CACHE/text" ;;
          esac
+         touch "$t.done"
        done
-       if ls .whl/*.whl > /dev/null 2>&1; then
+       if ls .whl/*.whl > /dev/null 2>&1 && [ ! -d /tmp/site/gguf ]; then
          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
        fi
        export PYTHONPATH=$PWD:/tmp/site
