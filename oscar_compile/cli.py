@@ -76,28 +76,16 @@ def _eval(args) -> int:
              "bfloat16": torch.bfloat16}[args.dtype]
     model, tok = load_model(args.model)  # float32 on the CPU: calibration and the artifact hash see these weights
     names = args.methods.split(",")
-    # "method@S": calibrated in sequences of S tokens (default --calib-seq-len); "method:L0:L5": layers 0 and 5 kept
-    # in BF16 (the backend's bf16_layers)
-    bf16_layers = {}
-    for n in names:
-        tags = n.split(":")[1:]
-        if any(not (t.startswith("L") and t[1:].isdigit()) for t in tags) or (tags and n.split(":")[0] in ("bf16", "kivi")):
-            raise SystemExit(f"oscar eval: --methods {args.methods}: in {n!r}, ':L<layer>' keeps a layer in BF16 "
-                             "(an oscar method only, e.g. default:L0)")
-        bf16_layers[n] = tuple(int(t[1:]) for t in tags)
-    base = {n: n.split(":")[0].partition("@")[0] for n in names}
-    try:
-        seq_of = {n: int(n.split(":")[0].partition("@")[2] or args.calib_seq_len) for n in names}
-    except ValueError:
-        raise SystemExit(f"oscar eval: --methods {args.methods}: in name@S, S is a calibration sequence length in tokens")
+    base, seq_of, positions_of, bf16_layers = _method_specs(names, args.calib_seq_len, args.calib_positions)
     calibrated = [n for n in names if base[n] not in ("bf16", "kivi")]
     artifacts = {}
-    for seq in sorted({seq_of[n] for n in calibrated}):
-        group = [n for n in calibrated if seq_of[n] == seq]
-        # cached per (model, method, tokens, sequence length) like the demo's: a second eval run does not recalibrate
+    for seq, positions in dict.fromkeys((seq_of[n], positions_of[n]) for n in calibrated):
+        group = [n for n in calibrated if (seq_of[n], positions_of[n]) == (seq, positions)]
+        # cached per (model, method, tokens, sequence length, positions) like the demo's: a second eval run does not
+        # recalibrate
         found, _ = cached_artifacts_for(model, tok, args.model, [base[n] for n in group], args.calib_tokens, seq_len=seq,
                                         check_len=args.check_len, check_seqs=args.check_seqs, num_sinks=args.sinks,
-                                        window=args.window, position_range=_positions_arg(args.calib_positions))
+                                        window=args.window, position_range=positions)
         artifacts.update({n: found[base[n]] for n in group})
     model.to(device=device, dtype=dtype)
     methods = []
@@ -216,6 +204,32 @@ def _explain(args) -> int:
             print(f"=== graph {g.index} before\n{g.before}\n=== graph {g.index} after\n{g.after}")
     return 0 if report.num_rewritten else 1
 
+
+
+def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
+    """``oscar eval --methods``: each name's base method, calibration sequence length, calibration positions and
+    layers kept in BF16. "method@S": calibrated in sequences of S tokens (default ``calib_seq_len``);
+    "method:L0:L5": layers 0 and 5 kept in BF16 (the backend's bf16_layers); "method:p2048": calibration rows
+    spread over 2048 positions (p0: all at position 0), overriding ``--calib-positions`` for that method, so
+    several spreads share one run's tokens and its bf16."""
+    base, seq_of, positions_of, bf16_layers = {}, {}, {}, {}
+    for n in names:
+        head, *tags = n.split(":")
+        base[n], _, seq = head.partition("@")
+        layer_tags = [t for t in tags if t.startswith("L") and t[1:].isdigit()]
+        position_tags = [t for t in tags if t.startswith("p") and t[1:].isdigit()]
+        if (len(layer_tags) + len(position_tags) != len(tags) or len(position_tags) > 1
+                or (tags and base[n] in ("bf16", "kivi"))):
+            raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, ':L<layer>' keeps a layer in BF16 and "
+                             "':p<tokens>' spreads the calibration rows (an oscar method only, e.g. default:L0:p2048)")
+        try:
+            seq_of[n] = int(seq or calib_seq_len)
+        except ValueError:
+            raise SystemExit(f"oscar eval: --methods {','.join(names)}: in name@S, S is a calibration sequence "
+                             "length in tokens")
+        bf16_layers[n] = tuple(int(t[1:]) for t in layer_tags)
+        positions_of[n] = _positions_arg(position_tags[0][1:] if position_tags else calib_positions)
+    return base, seq_of, positions_of, bf16_layers
 
 def _positions_arg(value: str):
     """``--calib-positions``/``--positions``: "auto", or a token count (0: none)."""

@@ -298,11 +298,21 @@ def run_eval(model, tok, methods: list[Method], eval_text: str, haystack_text: s
 
 def _attach_paired_deltas(per_method: dict) -> None:
     """Give every method measured at a context its paired difference against bf16 there, once bf16 is measured
-    (same tokens: far tighter than either perplexity)."""
+    (same tokens: far tighter than either perplexity), and against every quantized method measured before it
+    (``vs_methods``: two variants of one method differ by less than either differs from bf16, and the paired
+    interval between them is the one that can tell them apart)."""
     base = next((nll for kind, nll, _ in per_method.values() if kind == "bf16"), None)
     for kind, nll, row in per_method.values():
         if base is not None and kind != "bf16" and "vs_bf16" not in row:
             row["vs_bf16"] = paired_delta(nll, base)
+        if kind == "bf16" or "vs_methods" in row:
+            continue
+        row["vs_methods"] = {}
+        for other, (other_kind, other_nll, _) in per_method.items():
+            if other == row["method"]:
+                break  # only the methods measured before it
+            if other_kind != "bf16":
+                row["vs_methods"][other] = paired_delta(nll, other_nll)
 
 
 def _report(cfg, methods, rows, retrieval, t0, partial=False) -> dict:
@@ -337,6 +347,13 @@ def format_report(report: dict) -> str:
                 cells.append(f"{r['ppl']:.3f}{rel}" if r else "-")
             bits = next(r["bits_per_element"] for r in ppl if r["method"] == n and r["context"] == contexts[-1])
             lines.append(f"  {n:<30}" + "".join(f"{c:>22}" for c in cells) + f"{bits:>12.2f}")
+        pairs = [(r["context"], r["method"], other, d) for r in ppl for other, d in r.get("vs_methods", {}).items()
+                 if "ci95_pct" in d]
+        if pairs:
+            lines.append("paired between quantized methods (same tokens; 95% interval)")
+            for c, a, b, d in pairs:
+                lo, hi = d["ci95_pct"]
+                lines.append(f"  ctx {c:>6}  {a} vs {b}: {d['pct']:+.2f}% ({lo:+.2f}..{hi:+.2f})")
     ret = report["retrieval"]
     if ret:
         lengths = sorted({r["length"] for r in ret})

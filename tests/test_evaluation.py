@@ -210,3 +210,41 @@ def test_gemma3_geometry_quantize_off_equals_eager_past_the_ring_gpu():
     # model gave BF16 perplexity 1225 at 8K where the CPU gives ~40: this is the check that localises it.)
     assert _quantize_off_vs_eager("cuda", torch.bfloat16, window=512, max_chunk=4096, chunk=2000, context=6000,
                                   steps=16) < 3e-2
+
+
+def test_method_specs_read_sequence_layers_and_positions_per_method():
+    from oscar_compile.cli import _method_specs
+
+    names = ["bf16", "default", "default:p0", "default@1024:L0:p2304", "kivi"]
+    base, seq, positions, layers = _method_specs(names, 512, "auto")
+    assert base == {n: b for n, b in zip(names, ["bf16", "default", "default", "default", "kivi"])}
+    assert seq["default"] == 512 and seq["default@1024:L0:p2304"] == 1024
+    # ':p' overrides --calib-positions for its method only; p0 is every row at position 0 (None)
+    assert positions["default"] == "auto" and positions["default:p0"] is None
+    assert positions["default@1024:L0:p2304"] == 2304 and layers["default@1024:L0:p2304"] == (0,)
+    for bad in ("default:p1:p2", "default:x3", "bf16:p0", "default@x"):
+        with pytest.raises(SystemExit):
+            _method_specs([bad], 512, "auto")
+
+
+def test_paired_deltas_between_quantized_methods_on_the_same_tokens():
+    from oscar_compile.evaluation import _attach_paired_deltas
+
+    gen = torch.Generator().manual_seed(0)
+    bf = torch.rand(8, 64, generator=gen, dtype=torch.float64) * 3
+    a = bf + 0.03 + 0.05 * torch.randn(8, 64, generator=gen, dtype=torch.float64)
+    b = a + 0.01 + 0.005 * torch.randn(8, 64, generator=gen, dtype=torch.float64)  # b: 1% worse than a, tightly
+    per_method = {}
+    for name, kind, nll in (("bf16", "bf16", bf), ("a", "oscar", a), ("kivi", "kivi", a + 0.2), ("b", "oscar", b)):
+        per_method[name] = (kind, nll, {"method": name, "context": 64})
+        _attach_paired_deltas(per_method)  # as run_eval does, after every method
+    rows = {n: r for n, (_, _, r) in per_method.items()}
+    assert "vs_methods" not in rows["bf16"] and rows["a"]["vs_methods"] == {}
+    assert list(rows["b"]["vs_methods"]) == ["a", "kivi"]  # only those measured before it, bf16 apart
+    lo, hi = rows["b"]["vs_methods"]["a"]["ci95_pct"]
+    assert lo < 100 * math.expm1(0.01) < hi and hi - lo < 0.3  # tighter than b vs bf16, which a's noise widens
+    wide = rows["b"]["vs_bf16"]["ci95_pct"]
+    assert wide[1] - wide[0] > 3 * (hi - lo)
+    report = {"config": {}, "retrieval": [], "perplexity": [dict(r, ppl=2.0, nll=0.7, bits_per_element=3.0)
+                                                             for r in rows.values()]}
+    assert "b vs a: +1.0" in format_report(report)
