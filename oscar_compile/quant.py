@@ -115,7 +115,17 @@ def dequantize_int2(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_int2` (up to quantization error): returns ``[..., d]``."""
-    c = unpack_int2(codes)
+    return dequantize_codes(unpack_int2(codes), scale, minimum, group_size, dtype)
+
+
+def dequantize_codes(
+    c: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    group_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """:func:`dequantize_int2` of codes already unpacked (uint8 ``[..., d]``, 0..3)."""
     d = c.shape[-1]
     g = _check_head_dim(d, group_size)
     if scale.shape[-1] != d // g or minimum.shape[-1] != d // g:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import dequantize_int2
+from ..quant import dequantize_codes
 from . import fragment_order
 from .checks import CacheGeometry, check_attention
 
@@ -51,23 +51,29 @@ def gather_history(
         if w > 0:
             out[:, s:] = ring[:nb][:, j[s:] % w].float()
     elif max_len > s:
-        jq = j[s:] - s  # quantized index of every non-sink position
-        logical = torch.div(jq, ps, rounding_mode="floor").clamp(max=geo.max_pages - 1)
-        pages = block_table[:nb].long()[:, logical].clamp(min=0)  # [B, L - S]; unowned -> masked below
-        slots = (jq % ps).expand_as(pages)
-        deq = dequantize_int2(
-            fragment_order.read_rows(codes, pages, slots, kind), *meta[pages, slots].float().chunk(2, dim=-1), group_size=geo.group_size
-        )
-        in_page = j[s:][None, :] < (lengths[:, None] - w)
-        hist = deq
-        if w > 0:
-            ring_rows = ring[:nb][:, j[s:] % w].float()  # ring slot = absolute position % W
-            hist = torch.where(in_page[..., None, None], deq, ring_rows)
-        out[:, s:] = hist
-    valid = j[None, :] < lengths[:, None]
+        # every page a row owns up to max_len, read whole (a decode step reads the whole history: per-slot
+        # indexing was most of the CPU's decode time); slots past the pages' span are the ring's below
+        n_quantized = max_len - s
+        n_pages = min(-(-n_quantized // ps), geo.max_pages)
+        pages = block_table[:nb, :n_pages].long().clamp(min=0)  # [B, P]; unowned -> masked below
+        meta_rows = meta[pages].float()  # [B, P, ps, H, 2 groups]
+        deq = dequantize_codes(fragment_order.read_page_codes(codes, pages, kind), *meta_rows.chunk(2, dim=-1),
+                               group_size=geo.group_size).flatten(1, 2)[:, :n_quantized]
+        out[:, s:s + deq.shape[1]] = deq
+        # positions before every row's window read pages; from there on, a row's window reads its ring
+        lo = max(s, int(lengths.min()) - w)
+        if w > 0 and lo < max_len:
+            jr = j[lo:]
+            ring_rows = ring[:nb][:, jr % w].float()  # ring slot = absolute position % W
+            in_page = jr[None, :] < (lengths[:, None] - w)
+            out[:, lo:] = torch.where(in_page[..., None, None], out[:, lo:], ring_rows)
     # where, not a product: a NaN in a slot the row does not own (another row's page, a stale token)
-    # must not reach this row (NaN * 0 is NaN, and a masked NaN key still poisons its softmax row).
-    return torch.where(valid[..., None, None], out, 0.0)
+    # must not reach this row (NaN * 0 is NaN, and a masked NaN key still poisons its softmax row). Every row
+    # owns the positions before the shortest row's length.
+    lo = int(lengths.min()) if nb else max_len
+    valid = j[None, lo:] < lengths[:, None]
+    out[:, lo:] = torch.where(valid[..., None, None], out[:, lo:], 0.0)
+    return out
 
 
 def attention_reference(

@@ -61,3 +61,22 @@ def test_logical_pool_reads_every_row():
     logical = fragment_order.logical_pool(codes, "v")
     assert torch.equal(unpack_int2(logical[2, 5]), fragment_order.read_codes(codes, torch.tensor([2]), torch.tensor([5]), "v")[0])
     assert not torch.equal(logical, codes)  # a real permutation, not the identity
+
+
+@pytest.mark.parametrize("d, ps", [(64, 16), (128, 32), (256, 48), (96, 16), (128, 8)])
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_whole_pages_read_the_same_codes_as_row_by_row(d, ps, kind):
+    """read_page_codes (the CPU reference's history read) against read_codes slot by slot, on random bytes of
+    fragment-order pools (d a multiple of 64, pages of 16-slot groups) and logical ones (96, pages of 8)."""
+    gen = torch.Generator().manual_seed(d * ps)
+    codes = torch.randint(0, 256, (6, ps, 3, d // 4), dtype=torch.uint8, generator=gen)
+    pages = torch.tensor([[5, 0, 3], [2, 2, 4]])  # a page twice, out of order
+    got = fragment_order.read_page_codes(codes, pages, kind)
+    assert got.shape == (2, 3, ps, 3, d) and got.dtype == torch.uint8
+    flat_pages = pages[..., None].expand(2, 3, ps).reshape(-1)
+    slots = torch.arange(ps).repeat(6)
+    if fragment_order.in_fragment_order(codes):
+        want = fragment_order.read_codes(codes, flat_pages, slots, kind)
+    else:
+        want = unpack_int2(codes[flat_pages, slots])
+    assert torch.equal(got.reshape(-1, 3, d), want)
