@@ -8,6 +8,12 @@ OUT=$2
 E="bash benchmarks/eval_gpu.sh run"
 G=gemma-3-270m-q4_k_m.gguf S=SmolLM2-135M-Instruct.Q4_1.gguf Q=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 for g in $G $S $Q; do bash benchmarks/eval_gpu.sh py $g -c pass || exit 1; done  # reassemble and unpack once
+# The first attempt (2026-12-04) lost the machine six minutes in, cause unknown: host and GPU memory are logged every
+# 15 s, and each process takes 5 of the 16 cores (three at once)
+export OMP_NUM_THREADS=5
+( while sleep 15; do echo "$(date +%T) $(free -g | awk '/Mem/ {print "host used " $3 " GiB of " $2}') gpu" \
+    "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; done ) > "$OUT/memory.log" 2>&1 &
+watcher=$!
 
 ALL=bf16,kivi,identity,hadamard,default
 short() {  # 2K: 256 sequences x 64 scored tokens (16,384 a method); then the same tokens with calibration rows at 0
@@ -27,5 +33,6 @@ case $1 in
         { long $Q qwen2.5-coder-0.5b 8192 64; long $Q qwen2.5-coder-0.5b 32768 16; } & ;;
   full) long $G gemma3-270m 32768 20 & ;;
 esac
-wait
+wait $(jobs -p | grep -v "^$watcher$")
+kill $watcher
 tail -n 25 "$OUT"/*.log
