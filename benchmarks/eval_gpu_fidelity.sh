@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 18's fidelity table on one H200: three packaged models side by side (one process each; a model's own runs
 # one after another), many sequences per context so the paired intervals are narrow.
-#   bash benchmarks/eval_gpu_fidelity.sh short|long|full OUT
+#   bash benchmarks/eval_gpu_fidelity.sh probe|short|long|full OUT
+# probe: Gemma 3 alone at 2K, 64 sequences x 64 tokens (a few minutes): run it first, as the three-model call lost the
+# machine once.
 # Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU,
 # rows at 0 and rows spread) staged with `eval_gpu.sh stage` (see that script). Logs and reports land in OUT.
 OUT=$2
@@ -28,6 +30,8 @@ long() {  # $3: context, $4: sequences
      > "$OUT/$2_$3.log" 2>&1
 }
 case $1 in
+  probe) $E $G --model gemma3-270m --ppl-contexts 2048 --ppl-sequences 64 --ppl-decode 64 --methods bf16,default \
+         --retrieval-lengths "" --out "$OUT" --name eval_gemma3-270m_h200_2k_64seq > "$OUT/probe.log" 2>&1 & ;;
   short) short $G gemma3-270m & short $S smollm2-135m & short $Q qwen2.5-coder-0.5b & ;;
   long) long $G gemma3-270m 8192 64 & long $S smollm2-135m 8192 64 &
         { long $Q qwen2.5-coder-0.5b 8192 64; long $Q qwen2.5-coder-0.5b 32768 16; } & ;;
