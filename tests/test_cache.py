@@ -171,7 +171,9 @@ def test_reorder_rows_moves_every_region(identity):
     before = _read(cache, 3, length)
     cache.reorder_rows(torch.tensor([2, 0, 0]))  # beam search: rows may repeat
     after = _read(cache, 3, length)
-    torch.testing.assert_close(after, before[[2, 0, 0]], rtol=0, atol=0)
+    # the same row read at another batch position may differ by an ulp with 2+ threads (batched matmuls split
+    # there); a row that lost or swapped a token is off by far more than 1e-6
+    torch.testing.assert_close(after, before[[2, 0, 0]], rtol=0, atol=1e-6)
 
 
 def test_copy_rows_to_a_storage_of_another_size():
