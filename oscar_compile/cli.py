@@ -205,7 +205,6 @@ def _explain(args) -> int:
     return 0 if report.num_rewritten else 1
 
 
-
 def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     """``oscar eval --methods``: each name's base method, calibration sequence length, calibration positions and
     layers kept in BF16. "method@S": calibrated in sequences of S tokens (default ``calib_seq_len``);
@@ -230,6 +229,7 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         bf16_layers[n] = tuple(int(t[1:]) for t in layer_tags)
         positions_of[n] = _positions_arg(position_tags[0][1:] if position_tags else calib_positions)
     return base, seq_of, positions_of, bf16_layers
+
 
 def _positions_arg(value: str):
     """``--calib-positions``/``--positions``: "auto", or a token count (0: none)."""

@@ -44,6 +44,7 @@ def gather_history(
     nb = lengths.shape[0]
     dev = sink.device
     j = torch.arange(max_len, device=dev)
+    shortest = int(lengths.min()) if nb else max_len  # one host sync; the caller already made one (max_len)
     out = torch.zeros(nb, max_len, geo.num_kv_heads, geo.head_dim, dtype=torch.float32, device=dev)
     n_sink = min(s, max_len)
     out[:, :n_sink] = sink[:nb, :n_sink].float()
@@ -61,18 +62,17 @@ def gather_history(
                                group_size=geo.group_size).flatten(1, 2)[:, :n_quantized]
         out[:, s:s + deq.shape[1]] = deq
         # positions before every row's window read pages; from there on, a row's window reads its ring
-        lo = max(s, int(lengths.min()) - w)
-        if w > 0 and lo < max_len:
-            jr = j[lo:]
+        ring_from = max(s, shortest - w)
+        if w > 0 and ring_from < max_len:
+            jr = j[ring_from:]
             ring_rows = ring[:nb][:, jr % w].float()  # ring slot = absolute position % W
             in_page = jr[None, :] < (lengths[:, None] - w)
-            out[:, lo:] = torch.where(in_page[..., None, None], out[:, lo:], ring_rows)
+            out[:, ring_from:] = torch.where(in_page[..., None, None], out[:, ring_from:], ring_rows)
     # where, not a product: a NaN in a slot the row does not own (another row's page, a stale token)
     # must not reach this row (NaN * 0 is NaN, and a masked NaN key still poisons its softmax row). Every row
     # owns the positions before the shortest row's length.
-    lo = int(lengths.min()) if nb else max_len
-    valid = j[None, lo:] < lengths[:, None]
-    out[:, lo:] = torch.where(valid[..., None, None], out[:, lo:], 0.0)
+    valid = j[None, shortest:] < lengths[:, None]
+    out[:, shortest:] = torch.where(valid[..., None, None], out[:, shortest:], 0.0)
     return out
 
 
