@@ -209,6 +209,11 @@ class Artifacts:
         else:
             lines.append("layer  key clip  value clip")
             lines += [f"{i:>5}  {k:8.3f}  {v:10.3f}" for i, (k, v) in enumerate(self.clip_ratios)]
+        centred = cal.get("value_centred")
+        if centred and "vauto" in self.method:
+            plain = [i for i, c in enumerate(centred) if not c]
+            lines.append(f"values stored centred (v - mean) in {len(centred) - len(plain)} layers, as they are in "
+                         f"{len(plain)}: {plain or 'none'} (+vauto: whichever had the smaller held-out error)")
         check = cal.get("check_relative_error")
         if check:
             worst = max((i for i, e in enumerate(check) if e), key=lambda i: max(check[i]))

@@ -78,18 +78,20 @@ def value_error(probs, v, tr: LayerTransforms, clip: float, group_size=None, ski
 
 
 def search_clip(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size=None, skip: int = 0,
-                grid=CLIP_GRID) -> tuple[float, float, dict]:
-    """Best (key_clip, value_clip) on the held-out sequences, and the errors per ratio."""
-    k_err = {r: 0.0 for r in grid}
-    v_err = {r: 0.0 for r in grid}
+                grid=CLIP_GRID, sides=("key", "value")) -> tuple[float | None, float | None, dict]:
+    """Best (key_clip, value_clip) on the held-out sequences, and the errors per ratio (``sides``: which of the two
+    to search; the other's ratio is None and its errors are left out)."""
+    errs = {f"{side}_error": {r: 0.0 for r in grid} for side in sides}
     for q, k, v in zip(heldout_q, heldout_k, heldout_v):
-        probs = attention_probs(q, k)
+        probs = attention_probs(q, k) if "value" in sides else None
         for r in grid:
-            k_err[r] += key_error(q, k, tr, r, group_size, skip)
-            v_err[r] += value_error(probs, v, tr, r, group_size, skip)
-    best_k = min(grid, key=lambda r: (k_err[r], -r))
-    best_v = min(grid, key=lambda r: (v_err[r], -r))
-    return best_k, best_v, {"key_error": k_err, "value_error": v_err}
+            if "key" in sides:
+                errs["key_error"][r] += key_error(q, k, tr, r, group_size, skip)
+            if "value" in sides:
+                errs["value_error"][r] += value_error(probs, v, tr, r, group_size, skip)
+    best = {side: min(grid, key=lambda r: (errs[f"{side}_error"][r], -r)) if side in sides else None
+            for side in ("key", "value")}
+    return best["key"], best["value"], errs
 
 
 def key_output_error(probs, q, k, v, tr: LayerTransforms, clip: float, group_size=None, skip: int = 0,

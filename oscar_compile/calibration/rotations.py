@@ -10,6 +10,12 @@ A method is a base rotation plus exact improvements, written ``base[+improvement
 * ``+kmean``  store ``k - mu_k``: a per-query constant shift of every logit, softmax-exact.
 * ``+vmean``  store ``v - mu_v`` and add ``mu_v`` to the output (attention weights sum to 1).
 * ``+mean``   both.
+* ``+vauto``  store ``v - mu_v`` or ``v`` itself, per layer, whichever has the smaller held-out attention-weighted
+  value error (searched with the clip ratio and sign pattern). Centering can triple a layer's error: tokens that
+  act as attention sinks away from the start (SmolLM2's " the" in layers 3-10, 3-9% of the attention each)
+  have values of small norm, so small INT2 errors uncentred and ordinary-sized ones centred, and their weight
+  carries those errors into every output (relative output error 0.30-0.39 centred, 0.09-0.15 not, at 2K). The
+  calibration records the choice (``value_centred``).
 * ``+scale``  query-aware scaling: in the eigenbasis of ``S_q`` (eigenvalues ``lambda_i``) with key
   variances ``sigma_i^2``, scale coordinate ``i`` by ``(lambda_i / sigma_i^2)^(1/4)`` before ``P H``;
   queries get the inverse, so ``q.k`` is unchanged. Needs the ``oscar`` eigenbasis.
@@ -39,14 +45,14 @@ from ..quant import hadamard_matrix
 from .statistics import LayerStats
 
 BASES = ("identity", "hadamard", "oscar")
-DEFAULT_METHOD = "oscar+mean+scale"
+DEFAULT_METHOD = "oscar+kmean+vauto+scale"
 
 
 @dataclass(frozen=True)
 class MethodSpec:
     base: str
     key_mean: bool = False
-    value_mean: bool = False
+    value_mean: bool | str = False  # True, False, or "auto" (chosen per layer by the calibration, see +vauto)
     query_scaling: bool = False
     clip_search: bool = False
     scale_range: float | None = None  # +scaleR / +gmR: max / min of the query-aware scales
@@ -55,12 +61,13 @@ class MethodSpec:
     @property
     def name(self) -> str:
         parts = [self.base]
-        if self.key_mean and self.value_mean:
+        if self.key_mean and self.value_mean is True:
             parts.append("mean")
-        elif self.key_mean:
-            parts.append("kmean")
-        elif self.value_mean:
-            parts.append("vmean")
+        else:
+            if self.key_mean:
+                parts.append("kmean")
+            if self.value_mean:
+                parts.append("vauto" if self.value_mean == "auto" else "vmean")
         if self.query_scaling:
             word = "gm" if self.scaling == "gm" else "scale"
             parts.append(word + (f"{self.scale_range:g}" if self.scale_range else ""))
@@ -86,6 +93,8 @@ def parse_method(method: str) -> MethodSpec:
             spec["value_mean"] = True
         elif m == "mean":
             spec["key_mean"] = spec["value_mean"] = True
+        elif m == "vauto":
+            spec["value_mean"] = "auto"
         elif m.startswith("scale") or m.startswith("gm"):
             word = "scale" if m.startswith("scale") else "gm"
             if base != "oscar":
@@ -104,7 +113,10 @@ def parse_method(method: str) -> MethodSpec:
         elif m == "-clip":
             spec["clip_search"] = False
         else:
-            raise ValueError(f"oscar: unknown method part {m!r} in {method!r} (kmean, vmean, mean, scale, clip, -clip)")
+            raise ValueError(f"oscar: unknown method part {m!r} in {method!r} (kmean, vmean, vauto, mean, scale, clip, -clip)")
+    if spec.get("value_mean") == "auto" and not spec["clip_search"]:
+        raise ValueError(f"oscar: {method!r}: +vauto chooses by held-out error, so it needs the held-out search "
+                         "(an oscar method, or +clip)")
     return MethodSpec(**spec)
 
 
@@ -217,6 +229,9 @@ def geometric_mean_scaling(s_q: torch.Tensor, cov: torch.Tensor, scale_range: fl
 def derive_transforms(stats: LayerStats, spec: MethodSpec, key_seed: int = 0, value_seed: int = 0) -> LayerTransforms:
     """The layer's transforms for ``spec`` (clip ratios 1.0: they are searched separately); ``key_seed`` and
     ``value_seed`` pick the eigenvectors' sign patterns (:func:`_fixed_signs`)."""
+    if spec.value_mean == "auto":
+        raise ValueError("oscar: +vauto chooses value centering per layer by held-out error: derive with "
+                         "value_mean True or False (derive_artifacts tries both)")
     h, d = stats.num_kv_heads, stats.head_dim
     eye = torch.eye(d, dtype=torch.float64).expand(h, d, d)
     key_mean = stats.key_mean if spec.key_mean else torch.zeros(h, d, dtype=torch.float64)

@@ -199,6 +199,7 @@ def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_
     transforms = []
     seeds = []
     errors = []  # [key, value] relative held-out RMS error of each layer at its chosen transforms and clips
+    centred_values = []  # whether each layer stores v - mu_v (+vauto chooses per layer)
     layers = range(len(obs.layers))
     if progress and spec.clip_search:
         from tqdm.auto import tqdm
@@ -211,18 +212,23 @@ def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_
         h = obs.heldout.get(layer)
         if h is None or not h.q:
             raise ValueError("oscar calibrate: the clip search needs held-out batches (heldout_batches >= 1)")
-        # the eigenvectors' sign pattern and the clip ratios, keys and values each, by held-out error
+        # the eigenvectors' sign pattern and the clip ratios, keys and values each, by held-out error; for
+        # +vauto also whether values are stored centred (the key side does not depend on it)
         best_k = best_v = None  # (held-out error, seed, clip ratio, transforms)
+        value_means = (True, False) if spec.value_mean == "auto" else (spec.value_mean,)
         for seed in range(SIGN_TRIALS if spec.base == "oscar" else 1):
-            tr = derive_transforms(obs.layers[layer], spec, seed, seed)
-            kc, vc, err = search_clip(h.q, h.k, h.v, tr, group_size, obs.skip_first, clip_grid)
-            if best_k is None or err["key_error"][kc] < best_k[0]:
-                best_k = (err["key_error"][kc], seed, kc, tr)
-            if best_v is None or err["value_error"][vc] < best_v[0]:
-                best_v = (err["value_error"][vc], seed, vc, tr)
+            for i, centred in enumerate(value_means):
+                tr = derive_transforms(obs.layers[layer], dataclasses.replace(spec, value_mean=centred), seed, seed)
+                sides = ("key", "value") if i == 0 else ("value",)
+                kc, vc, err = search_clip(h.q, h.k, h.v, tr, group_size, obs.skip_first, clip_grid, sides)
+                if kc is not None and (best_k is None or err["key_error"][kc] < best_k[0]):
+                    best_k = (err["key_error"][kc], seed, kc, tr)
+                if best_v is None or err["value_error"][vc] < best_v[0]:
+                    best_v = (err["value_error"][vc], seed, vc, tr)
         # keys (and queries) of the best key trial, values (and outputs) of the best value trial: they are independent
-        tr = dataclasses.replace(best_k[3], value_transform=best_v[3].value_transform,
+        tr = dataclasses.replace(best_k[3], value_transform=best_v[3].value_transform, value_mean=best_v[3].value_mean,
                                  output_transform=best_v[3].output_transform, key_clip=best_k[2], value_clip=best_v[2])
+        centred_values.append(bool(best_v[3].value_mean.any()))
         seeds.append([best_k[1], best_v[1]])
         errors.append([round(e, 4) for e in relative_errors(h.q, h.k, h.v, tr, group_size, obs.skip_first)])
         transforms.append(tr)
@@ -230,6 +236,7 @@ def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_
     if seeds:
         info["sign_seeds"] = seeds  # [key, value] sign pattern of each layer (rotations._fixed_signs)
         info["heldout_relative_error"] = errors
+        info["value_centred"] = centred_values
     if spec.query_scaling:
         info["key_scale_span"] = key_scale_spans(transforms)
     return Artifacts(

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -120,7 +121,7 @@ def test_key_scale_spans_are_recorded():
     obs = StatsObserver(skip_first=0)
     for seed in range(4):
         obs.record(0, *_planted(seed, 4, noise=0.005), torch.arange(96))
-    wide = key_scale_spans([derive_transforms(obs.layers[0], parse_method("default"))])
+    wide = key_scale_spans([derive_transforms(obs.layers[0], parse_method("oscar+mean+scale"))])
     bounded = key_scale_spans([derive_transforms(obs.layers[0], parse_method("oscar+mean+scale8"))])
     assert wide[0] > 32 and bounded[0] <= 8.0001, (wide, bounded)
 
@@ -276,7 +277,9 @@ def test_long_context_check_records_errors_and_the_backend_keeps_its_layers(tmp_
 
 
 def test_method_names():
-    assert parse_method("default").name == "oscar+mean+scale"
+    assert parse_method("default").name == "oscar+kmean+vauto+scale"
+    assert parse_method("oscar+mean+scale").name == "oscar+mean+scale"
+    assert parse_method("oscar+vauto").name == "oscar+vauto" and parse_method("oscar+kmean+vmean").name == "oscar+mean"
     assert parse_method("oscar").clip_search and not parse_method("hadamard").clip_search
     assert parse_method("hadamard+clip").name == "hadamard+clip"
     assert parse_method("oscar-clip").name == "oscar-clip"
@@ -391,15 +394,71 @@ def test_sign_pattern_and_clip_chosen_by_held_out_error():
     stats = collect_statistics(tiny_model("qwen2"), _batches(), progress=False)
     art = derive_artifacts(stats, "default")
     obs, spec = stats.observer, parse_method("default")
-    assert len(art.calibration["sign_seeds"]) == len(art.layers)
+    assert len(art.calibration["sign_seeds"]) == len(art.layers) == len(art.calibration["value_centred"])
     for layer, (key_seed, value_seed) in enumerate(art.calibration["sign_seeds"]):
         h = obs.heldout[layer]
-        errs = [search_clip(h.q, h.k, h.v, derive_transforms(obs.layers[layer], spec, s, s), None, obs.skip_first)[2]
-                for s in range(SIGN_TRIALS)]
-        assert key_seed == min(range(SIGN_TRIALS), key=lambda s: (min(errs[s]["key_error"].values()), s))
-        assert value_seed == min(range(SIGN_TRIALS), key=lambda s: (min(errs[s]["value_error"].values()), s))
-        chosen = derive_transforms(obs.layers[layer], spec, key_seed, value_seed)
-        assert torch.equal(chosen.key_transform, art.layers[layer].key_transform)
+        centred = art.calibration["value_centred"][layer]
+        trial = {(s, c): derive_transforms(obs.layers[layer], dataclasses.replace(spec, value_mean=c), s, s)
+                 for s in range(SIGN_TRIALS) for c in (True, False)}
+        errs = {t: search_clip(h.q, h.k, h.v, tr, None, obs.skip_first)[2] for t, tr in trial.items()}
+        assert key_seed == min(range(SIGN_TRIALS), key=lambda s: (min(errs[s, True]["key_error"].values()), s))
+        best_value = min(min(e["value_error"].values()) for e in errs.values())  # over signs and centring
+        assert min(errs[value_seed, centred]["value_error"].values()) == best_value
+        chosen = art.layers[layer]
+        assert torch.equal(chosen.key_transform, trial[key_seed, True].key_transform)
+        assert torch.equal(chosen.value_transform, trial[value_seed, centred].value_transform)
+        assert torch.equal(chosen.value_mean, trial[value_seed, centred].value_mean)
+
+
+def _secondary_sinks_stats(sinks: bool, seed: int = 0):
+    """Statistics of one synthetic layer whose values have a shared mean; with ``sinks``, every 8th token attracts a
+    large share of the attention (its key leans the way the queries do) and has a small value, the same one each
+    time: the attention-sink tokens away from the start of real text (SmolLM2's " the" in layers 3-10: values of
+    norm 0.6-1.1 against a median of 4.5, cosine 0.97-0.99 between occurrences)."""
+    from oscar_compile.calibration.tracer import CalibrationStats
+
+    g = torch.Generator().manual_seed(seed)
+    h, hq, t, d = 1, 2, 128, 32
+    obs = StatsObserver(skip_first=1, heldout_tokens=10**6)
+    mean_v, direction, sink_v = 0.5 * torch.randn(d, generator=g), torch.randn(d, generator=g), 0.1 * torch.randn(d, generator=g)
+    for phase in ("stats", "stats", "heldout"):
+        obs.phase = phase
+        q = torch.randn(1, hq, t, d, generator=g) + 0.7 * direction
+        k = torch.randn(1, h, t, d, generator=g)
+        v = mean_v + torch.randn(1, h, t, d, generator=g)
+        if sinks:
+            at = torch.arange(5, t, 8)
+            k[:, :, at] += 0.7 * direction
+            v[:, :, at] = sink_v + 0.02 * torch.randn(1, h, len(at), d, generator=g)
+        obs.record(0, q, k, v, torch.arange(t))
+    return CalibrationStats(obs, {}, {})
+
+
+@pytest.mark.parametrize("sinks", [True, False])
+def test_vauto_stores_values_uncentred_where_sink_tokens_make_centring_worse(sinks):
+    from oscar_compile.calibration import derive_artifacts
+    from oscar_compile.calibration.clipping import relative_errors
+
+    stats = _secondary_sinks_stats(sinks)
+    # a fixed rotation (Hadamard), so that only the centring differs between the three
+    auto = derive_artifacts(stats, "hadamard+kmean+vauto+clip")
+    centred = derive_artifacts(stats, "hadamard+mean+clip")
+    uncentred = derive_artifacts(stats, "hadamard+kmean+clip")
+    # centring turns the sinks' small, repeated value into a row of about the mean's size whose INT2 error is the
+    # same at every occurrence, so their weight adds it up in every output (0.40 against 0.23 here); without sinks,
+    # centring takes the shared mean out of every row (0.16 against 0.19)
+    assert auto.calibration["value_centred"] == [not sinks]
+    h = stats.observer.heldout[0]
+    value_err = {name: relative_errors(h.q, h.k, h.v, a.layers[0], None, 1)[1]
+                 for name, a in (("auto", auto), ("centred", centred), ("uncentred", uncentred))}
+    better, worse = ("uncentred", "centred") if sinks else ("centred", "uncentred")
+    assert value_err["auto"] == value_err[better] < 0.9 * value_err[worse], value_err
+
+
+def test_vauto_needs_the_held_out_search():
+    with pytest.raises(ValueError, match="needs the held-out search"):
+        parse_method("hadamard+vauto")
+    assert parse_method("hadamard+vauto+clip").value_mean == "auto"
 
 
 def test_artifact_errors_name_the_problem(tmp_path):
@@ -496,7 +555,7 @@ def test_cached_artifacts_with_a_long_context_check(tmp_path, monkeypatch):
     assert not cached and len(art.calibration["check_relative_error"]) == 2 and art.calibration["check_tokens"] == 192
     names = sorted(p.name for p in (tmp_path / "artifacts").iterdir())
     # rows spread over the tiny model's 256 positions ("auto"), so the names say so
-    assert names == ["tiny-oscar+mean+scale-4096-s64-p256", "tiny-oscar+mean+scale-4096-s64-p256-c96x2-sw2_8"]
+    assert names == ["tiny-oscar+kmean+vauto+scale-4096-s64-p256", "tiny-oscar+kmean+vauto+scale-4096-s64-p256-c96x2-sw2_8"]
     again, cached = demo.cached_artifacts_for(model, tok, "tiny", ["default"], 4096, **kw)
     assert cached == {"default"} and again["default"].calibration["check_relative_error"] == art.calibration["check_relative_error"]
     with pytest.raises(ValueError, match="too few for a check"):
