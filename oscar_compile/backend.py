@@ -101,6 +101,10 @@ class BackendOptions:
     # ~7x that layer's INT2 bytes; ``bits_per_element`` in the eval counts it. None: the artifact's (its
     # long-context check, ``oscar_compile.calibration.check_layers``), else none; () keeps every layer INT2.
     bf16_layers: tuple | None = None
+    # {layer: group_size}: finer (scale, min) groups for the layers whose INT2 error dominates, ``group_size`` for the
+    # rest (a group of 32 channels costs a head_dim-64 layer 0.5 bits an element more than one group a row). The
+    # artifact's clip ratios were searched at its own group size.
+    layer_group_sizes: dict | None = None
 
 
 class OscarBackend:
@@ -121,6 +125,10 @@ class OscarBackend:
         if isinstance(layers, int) or not all(isinstance(x, int) and x >= 0 for x in layers):
             raise ValueError(f"oscar_backend: bf16_layers must be layer indices (a tuple of ints >= 0), got {layers!r}")
         self.options.bf16_layers = tuple(sorted(set(layers)))
+        groups = dict(self.options.layer_group_sizes or {})
+        if not all(isinstance(k, int) and k >= 0 and isinstance(g, int) and g > 0 for k, g in groups.items()):
+            raise ValueError(f"oscar_backend: layer_group_sizes maps layer indices to group sizes (ints > 0), got {groups!r}")
+        self.options.layer_group_sizes = groups
         self.artifacts = artifacts
         if self.options.sliding_windows is None and artifacts is not None and artifacts.sliding_windows:
             self.options.sliding_windows = artifacts.sliding_windows  # recorded at calibration
@@ -309,9 +317,10 @@ class OscarBackend:
                     and not _ring_is_smaller(o, m.num_kv_heads, m.head_dim, dtype, sliding, max_len)):
                 sliding = None  # INT2 pages for the whole cache take fewer bytes (a large window, a short cache)
             quantize = o.quantize and not (key[0] == "layer" and layer in o.bf16_layers)
+            group = o.layer_group_sizes.get(layer, o.group_size) if key[0] == "layer" else o.group_size
             cache = PagedInt2KVCache(
                 1, m.num_kv_heads, m.head_dim, max_batch_size=rows, max_seq_len=max_len, page_size=o.page_size,
-                num_sinks=o.num_sinks, window=o.window, group_size=o.group_size, identity_block_table=True,
+                num_sinks=o.num_sinks, window=o.window, group_size=group, identity_block_table=True,
                 quantize=quantize, sliding_window=sliding, max_chunk=o.max_chunk, dtype=dtype,
                 meta_dtype=o.meta_dtype, device=device,
             )

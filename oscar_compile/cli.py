@@ -76,7 +76,7 @@ def _eval(args) -> int:
              "bfloat16": torch.bfloat16}[args.dtype]
     model, tok = load_model(args.model)  # float32 on the CPU: calibration and the artifact hash see these weights
     names = args.methods.split(",")
-    base, seq_of, positions_of, bf16_layers = _method_specs(names, args.calib_seq_len, args.calib_positions)
+    base, seq_of, positions_of, bf16_layers, group_sizes = _method_specs(names, args.calib_seq_len, args.calib_positions)
     calibrated = [n for n in names if base[n] not in ("bf16", "kivi")]
     artifacts = {}
     for seq, positions in dict.fromkeys((seq_of[n], positions_of[n]) for n in calibrated):
@@ -102,6 +102,10 @@ def _eval(args) -> int:
             elif artifacts[n].bf16_layers:  # the long-context check's outliers (--check-len)
                 options["bf16_layers"] = artifacts[n].bf16_layers
                 label += f" BF16 L{','.join(map(str, artifacts[n].bf16_layers))}"
+            if group_sizes[n]:
+                options["layer_group_sizes"] = group_sizes[n]
+                for size in sorted(set(group_sizes[n].values())):
+                    label += f" g{size} L{','.join(str(k) for k, g in sorted(group_sizes[n].items()) if g == size)}"
             methods.append(Method(label + (f" g{args.group_size}" if args.group_size else ""), "oscar", artifacts[n],
                                   options))
     cfg = EvalConfig(ppl_contexts=ints(args.ppl_contexts), ppl_decode=args.ppl_decode, ppl_sequences=args.ppl_sequences,
@@ -206,21 +210,24 @@ def _explain(args) -> int:
 
 
 def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
-    """``oscar eval --methods``: each name's base method, calibration sequence length, calibration positions and
-    layers kept in BF16. "method@S": calibrated in sequences of S tokens (default ``calib_seq_len``);
-    "method:L0:L5": layers 0 and 5 kept in BF16 (the backend's bf16_layers); "method:p2048": calibration rows
-    spread over 2048 positions (p0: all at position 0), overriding ``--calib-positions`` for that method, so
-    several spreads share one run's tokens and its bf16."""
-    base, seq_of, positions_of, bf16_layers = {}, {}, {}, {}
+    """``oscar eval --methods``: each name's base method, calibration sequence length, calibration positions, layers
+    kept in BF16 and layers with their own group size. "method@S": calibrated in sequences of S tokens (default
+    ``calib_seq_len``); "method:L0:L5": layers 0 and 5 kept in BF16 (the backend's bf16_layers); "method:p2048":
+    calibration rows spread over 2048 positions (p0: all at position 0), overriding ``--calib-positions`` for that
+    method, so several spreads share one run's tokens and its bf16; "method:g32.4-10.20": groups of 32 channels in
+    layers 4 to 10 and 20 (the backend's layer_group_sizes)."""
+    base, seq_of, positions_of, bf16_layers, group_sizes = {}, {}, {}, {}, {}
+    usage = ("':L<layer>' keeps a layer in BF16, ':p<tokens>' spreads the calibration rows and ':g<size>.<layers>' "
+             "(e.g. g32.4-10.20) gives layers their own group size (an oscar method only, e.g. default:L0:p2048:g32.7)")
     for n in names:
         head, *tags = n.split(":")
         base[n], _, seq = head.partition("@")
         layer_tags = [t for t in tags if t.startswith("L") and t[1:].isdigit()]
         position_tags = [t for t in tags if t.startswith("p") and t[1:].isdigit()]
-        if (len(layer_tags) + len(position_tags) != len(tags) or len(position_tags) > 1
+        group_tags = [t for t in tags if t.startswith("g")]
+        if (len(layer_tags) + len(position_tags) + len(group_tags) != len(tags) or len(position_tags) > 1
                 or (tags and base[n] in ("bf16", "kivi"))):
-            raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, ':L<layer>' keeps a layer in BF16 and "
-                             "':p<tokens>' spreads the calibration rows (an oscar method only, e.g. default:L0:p2048)")
+            raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, {usage}")
         try:
             seq_of[n] = int(seq or calib_seq_len)
         except ValueError:
@@ -228,7 +235,17 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
                              "length in tokens")
         bf16_layers[n] = tuple(int(t[1:]) for t in layer_tags)
         positions_of[n] = _positions_arg(position_tags[0][1:] if position_tags else calib_positions)
-    return base, seq_of, positions_of, bf16_layers
+        group_sizes[n] = {}
+        for t in group_tags:
+            size, *spans = t[1:].split(".")
+            try:
+                layers = [x for a, _, b in (sp.partition("-") for sp in spans) for x in range(int(a), int(b or a) + 1)]
+                group_sizes[n].update({layer: int(size) for layer in layers})
+            except ValueError:
+                layers = []
+            if not layers or int(size or 0) <= 0:
+                raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, {usage}")
+    return base, seq_of, positions_of, bf16_layers, group_sizes
 
 
 def _positions_arg(value: str):

@@ -56,12 +56,12 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
         return kivi_bits_per_element(context, d, fp_bits=fp_bits, **method.options)
     layers = model_config.num_hidden_layers
     slides = sliding_windows(model_config)
-    if method.kind == "bf16":
-        full = fp_bits
-    else:
+    def int2_bits(group_size):
         cache = PagedInt2KVCache(1, heads, d, max_seq_len=1, num_sinks=num_sinks, window=window,
-                                 group_size=method.options.get("group_size"), dtype=cache_dtype, device="meta")
-        full = cache.memory_report(context).bits_per_element
+                                 group_size=group_size, dtype=cache_dtype, device="meta")
+        return cache.memory_report(context).bits_per_element
+
+    full = fp_bits if method.kind == "bf16" else int2_bits(method.options.get("group_size"))
     ring_extra = 0 if method.kind == "bf16" else method.options.get("max_chunk", BackendOptions.max_chunk) - 1
     sliding_bits = sum(fp_bits * min(w + ring_extra, context) / context for w in slides.values())
     # full layers kept in BF16 (the backend's bf16_layers) hold every token in 16 bits
@@ -69,7 +69,11 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
     if kept is None:  # the backend's default: the artifact's (its long-context check)
         kept = getattr(method.artifacts, "bf16_layers", ()) if method.artifacts is not None else ()
     dense = len(set(kept) - set(slides)) if method.kind != "bf16" else 0
-    return (full * (layers - len(slides) - dense) + fp_bits * dense + sliding_bits) / layers
+    # full INT2 layers with their own group size (the backend's layer_group_sizes): their bits instead of `full`
+    regrouped = {layer: g for layer, g in (method.options.get("layer_group_sizes") or {}).items()
+                 if layer not in slides and layer not in kept} if method.kind != "bf16" else {}
+    extra = sum(int2_bits(g) - full for g in regrouped.values())
+    return (full * (layers - len(slides) - dense) + extra + fp_bits * dense + sliding_bits) / layers
 
 
 class Session:

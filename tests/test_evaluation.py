@@ -137,6 +137,12 @@ def test_bits_and_report(tmp_path):
     layers = model.config.num_hidden_layers
     one_dense = bits_per_element(model.config, Method("x", options={"bf16_layers": (0,)}), 1 << 17, 64, 256)
     assert math.isclose(one_dense, (int2 * (layers - 1) + 16) / layers)
+    # a layer with its own group size (layer_group_sizes) counts its own metadata: groups of 4 at head_dim 16 carry
+    # 2 x 16 bits per 4 elements, 6 bits more an element than one group a row... unless it is also kept in BF16
+    regrouped = bits_per_element(model.config, Method("x", options={"layer_group_sizes": {1: 4}}), 1 << 17, 64, 256)
+    assert math.isclose(regrouped, int2 + 6 * (1 - 320 / (1 << 17)) / layers, rel_tol=1e-6), (regrouped, int2)
+    both = Method("x", options={"layer_group_sizes": {0: 4}, "bf16_layers": (0,)})
+    assert math.isclose(bits_per_element(model.config, both, 1 << 17, 64, 256), one_dense)
     # a sliding layer holds its window (BF16) or its ring (oscar: window 8 + max_chunk 100 - 1 tokens in BF16)
     cfg = tiny_model("gemma3").config
     full, sliding = len(cfg.layer_types) - 1, 1
@@ -215,14 +221,17 @@ def test_gemma3_geometry_quantize_off_equals_eager_past_the_ring_gpu():
 def test_method_specs_read_sequence_layers_and_positions_per_method():
     from oscar_compile.cli import _method_specs
 
-    names = ["bf16", "default", "default:p0", "default@1024:L0:p2304", "kivi"]
-    base, seq, positions, layers = _method_specs(names, 512, "auto")
-    assert base == {n: b for n, b in zip(names, ["bf16", "default", "default", "default", "kivi"])}
+    names = ["bf16", "default", "default:p0", "default@1024:L0:p2304", "kivi", "default:g32.4-6.9:g16.5"]
+    base, seq, positions, layers, groups = _method_specs(names, 512, "auto")
+    assert base == {n: b for n, b in zip(names, ["bf16", "default", "default", "default", "kivi", "default"])}
+    # ':g<size>.<layers>': layers with their own group size, the later tag winning for a layer named twice
+    assert groups["default:g32.4-6.9:g16.5"] == {4: 32, 5: 16, 6: 32, 9: 32} and groups["default"] == {}
     assert seq["default"] == 512 and seq["default@1024:L0:p2304"] == 1024
     # ':p' overrides --calib-positions for its method only; p0 is every row at position 0 (None)
     assert positions["default"] == "auto" and positions["default:p0"] is None
     assert positions["default@1024:L0:p2304"] == 2304 and layers["default@1024:L0:p2304"] == (0,)
-    for bad in ("default:p1:p2", "default:x3", "bf16:p0", "default@x"):
+    for bad in ("default:p1:p2", "default:x3", "bf16:p0", "default@x", "default:g32", "default:g0.1", "default:gx.1",
+                "bf16:g32.1"):
         with pytest.raises(SystemExit):
             _method_specs([bad], 512, "auto")
 

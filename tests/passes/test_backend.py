@@ -84,6 +84,27 @@ def test_bf16_layers_keep_every_token_of_those_layers_exact():
         oscar_backend(bf16_layers=0)
 
 
+def test_layer_group_sizes_give_those_layers_their_own_groups():
+    # layer_group_sizes={1: 4}: layer 1's storage has groups of 4 channels (4 (scale, min) pairs a row at head_dim 16),
+    # the others one group a row; finer groups in a layer change the logits, and bring them closer to exact
+    opts = dict(num_sinks=2, window=3, page_size=4, inductor=False)
+    model = tiny_model("llama")
+    ids = _ids()
+    runs = {}
+    for groups in ({}, {1: 4}, {0: 4, 1: 4}):
+        torch._dynamo.reset()
+        backend = oscar_backend(layer_group_sizes=groups, **opts)
+        runs[len(groups)] = prefill_and_decode(torch.compile(model, backend=backend), ids,
+                                               make_hf_cache("oscar", model, 32, 2), STEPS)
+        got = {key[0][1]: c.group_size for key, c in backend.storage.items()}
+        assert got == {i: groups.get(i, model.config.head_dim) for i in range(model.config.num_hidden_layers)}
+    exact = prefill_and_decode(model, ids, make_hf_cache("dynamic", model, 32, 2), STEPS)
+    assert rel_error(runs[1], runs[0]) > 1e-4
+    assert rel_error(runs[2], exact) < rel_error(runs[0], exact), [rel_error(r, exact) for r in runs.values()]
+    with pytest.raises(ValueError, match="layer_group_sizes"):
+        oscar_backend(layer_group_sizes={0: "32"})
+
+
 def _int2_and_ops_reference(model: TinyDecoder, run, **compile_kw):
     """``run`` through the INT2 backend, and through the oscar ops called directly (``model.reference``)."""
     torch._dynamo.reset()
