@@ -214,7 +214,7 @@ def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_
             raise ValueError("oscar calibrate: the clip search needs held-out batches (heldout_batches >= 1)")
         # the eigenvectors' sign pattern and the clip ratios, keys and values each, by held-out error; for
         # +vauto also whether values are stored centred (the key side does not depend on it)
-        best_k = best_v = None  # (held-out error, seed, clip ratio, transforms)
+        best_k = best_v = None  # (held-out error, seed, clip ratio, transforms[, values centred])
         value_means = (True, False) if spec.value_mean == "auto" else (spec.value_mean,)
         for seed in range(SIGN_TRIALS if spec.base == "oscar" else 1):
             for i, centred in enumerate(value_means):
@@ -224,11 +224,11 @@ def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_
                 if kc is not None and (best_k is None or err["key_error"][kc] < best_k[0]):
                     best_k = (err["key_error"][kc], seed, kc, tr)
                 if best_v is None or err["value_error"][vc] < best_v[0]:
-                    best_v = (err["value_error"][vc], seed, vc, tr)
+                    best_v = (err["value_error"][vc], seed, vc, tr, bool(centred))
         # keys (and queries) of the best key trial, values (and outputs) of the best value trial: they are independent
         tr = dataclasses.replace(best_k[3], value_transform=best_v[3].value_transform, value_mean=best_v[3].value_mean,
                                  output_transform=best_v[3].output_transform, key_clip=best_k[2], value_clip=best_v[2])
-        centred_values.append(bool(best_v[3].value_mean.any()))
+        centred_values.append(best_v[4])
         seeds.append([best_k[1], best_v[1]])
         errors.append([round(e, 4) for e in relative_errors(h.q, h.k, h.v, tr, group_size, obs.skip_first)])
         transforms.append(tr)
