@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--model", default="smollm2-135m", help="packaged model name, checkpoint dir, .gguf, or tiny:<family>")
     cal.add_argument("--data", default="debian-handbook", help="a text file, or a packaged text (debian-handbook, ...)")
     cal.add_argument("--tokens", type=int, default=32768, help="calibration tokens (one more batch is held out)")
-    cal.add_argument("--method", default="default", help="identity | hadamard | oscar[+kmean|+vmean|+mean][+scale][+clip|-clip]")
+    cal.add_argument("--method", default="default", help="identity | hadamard | oscar[+kmean|+vmean|+vauto|+mean][+scale][+clip|-clip]; default: oscar+kmean+vauto+scale")
     cal.add_argument("--seq-len", type=int, default=512)
     cal.add_argument("--batch-size", type=int, default=4)
     cal.add_argument("--group-size", type=int, default=None)
