@@ -313,11 +313,11 @@ class OscarBackend:
         if full_key not in self.storage:
             o = self.options
             sliding = (o.sliding_windows or {}).get(layer) if key[0] == "layer" else None
+            group = o.layer_group_sizes.get(layer, o.group_size) if key[0] == "layer" else o.group_size
             if (sliding is not None and o.sliding_storage == "smallest"
-                    and not _ring_is_smaller(o, m.num_kv_heads, m.head_dim, dtype, sliding, max_len)):
+                    and not _ring_is_smaller(o, m.num_kv_heads, m.head_dim, dtype, sliding, max_len, group)):
                 sliding = None  # INT2 pages for the whole cache take fewer bytes (a large window, a short cache)
             quantize = o.quantize and not (key[0] == "layer" and layer in o.bf16_layers)
-            group = o.layer_group_sizes.get(layer, o.group_size) if key[0] == "layer" else o.group_size
             cache = PagedInt2KVCache(
                 1, m.num_kv_heads, m.head_dim, max_batch_size=rows, max_seq_len=max_len, page_size=o.page_size,
                 num_sinks=o.num_sinks, window=o.window, group_size=group, identity_block_table=True,
@@ -443,12 +443,13 @@ def oscar_entry_point(gm, example_inputs, **kwargs):
 RECOMPILE_LIMIT = 64  # graphs per compiled function that oscar_compile.compile lets Dynamo keep
 
 
-def _ring_is_smaller(o: BackendOptions, heads: int, d: int, dtype: torch.dtype, sliding: int, max_len: int) -> bool:
+def _ring_is_smaller(o: BackendOptions, heads: int, d: int, dtype: torch.dtype, sliding: int, max_len: int,
+                     group_size: int | None) -> bool:
     """Whether a sliding-window layer's BF16 ring (``sliding + max_chunk - 1`` tokens) takes fewer bytes than
-    the storage the layer would otherwise get for ``max_len`` tokens (sinks, window and INT2 pages; all BF16
-    without quantization): a window of 4096 plus a chunk of 4096 costs as much as ~56K tokens in INT2 at
-    head_dim 128."""
-    group = o.group_size or d
+    the storage the layer would otherwise get for ``max_len`` tokens (sinks, window and INT2 pages of the layer's
+    ``group_size``; all BF16 without quantization): a window of 4096 plus a chunk of 4096 costs as much as ~56K
+    tokens in INT2 at head_dim 128."""
+    group = group_size or d
     ring = row_bytes(heads, d, min(sliding + o.max_chunk - 1, max_len), 0, group, dtype, o.meta_dtype)
     if not o.quantize:
         return ring < row_bytes(heads, d, max_len, 0, group, dtype, o.meta_dtype)

@@ -236,15 +236,16 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         bf16_layers[n] = tuple(int(t[1:]) for t in layer_tags)
         positions_of[n] = _positions_arg(position_tags[0][1:] if position_tags else calib_positions)
         group_sizes[n] = {}
-        for t in group_tags:
+        for t in group_tags:  # g<size>.<layer or first-last>...; a later tag wins for a layer named twice
             size, *spans = t[1:].split(".")
             try:
+                g = int(size)
                 layers = [x for a, _, b in (sp.partition("-") for sp in spans) for x in range(int(a), int(b or a) + 1)]
-                group_sizes[n].update({layer: int(size) for layer in layers})
             except ValueError:
-                layers = []
-            if not layers or int(size or 0) <= 0:
+                g, layers = 0, []
+            if g <= 0 or not layers:
                 raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, {usage}")
+            group_sizes[n].update(dict.fromkeys(layers, g))
     return base, seq_of, positions_of, bf16_layers, group_sizes
 
 

@@ -78,12 +78,15 @@ def value_error(probs, v, tr: LayerTransforms, clip: float, group_size=None, ski
 
 
 def search_clip(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size=None, skip: int = 0,
-                grid=CLIP_GRID, sides=("key", "value")) -> tuple[float | None, float | None, dict]:
+                grid=CLIP_GRID, sides=("key", "value"), heldout_probs=None) -> tuple[float | None, float | None, dict]:
     """Best (key_clip, value_clip) on the held-out sequences, and the errors per ratio (``sides``: which of the two
-    to search; the other's ratio is None and its errors are left out)."""
+    to search; the other's ratio is None and its errors are left out). ``heldout_probs``: each sequence's
+    :func:`attention_probs`, when the caller searches several transforms of one layer (they do not depend on them)."""
     errs = {f"{side}_error": {r: 0.0 for r in grid} for side in sides}
-    for q, k, v in zip(heldout_q, heldout_k, heldout_v):
-        probs = attention_probs(q, k) if "value" in sides else None
+    for i, (q, k, v) in enumerate(zip(heldout_q, heldout_k, heldout_v)):
+        probs = None
+        if "value" in sides:
+            probs = heldout_probs[i] if heldout_probs is not None else attention_probs(q, k)
         for r in grid:
             if "key" in sides:
                 errs["key_error"][r] += key_error(q, k, tr, r, group_size, skip)

@@ -11,7 +11,7 @@ import torch
 
 from ..backend import OscarBackend
 from .artifacts import Artifacts, model_fingerprint
-from .clipping import CLIP_GRID, relative_errors, search_clip
+from .clipping import CLIP_GRID, attention_probs, relative_errors, search_clip
 from .rotations import derive_transforms, parse_method
 from .statistics import StatsObserver
 
@@ -216,11 +216,12 @@ def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_
         # +vauto also whether values are stored centred (the key side does not depend on it)
         best_k = best_v = None  # (held-out error, seed, clip ratio, transforms[, values centred])
         value_means = (True, False) if spec.value_mean == "auto" else (spec.value_mean,)
+        probs = [attention_probs(q, k) for q, k in zip(h.q, h.k)]  # the same for every trial: computed once
         for seed in range(SIGN_TRIALS if spec.base == "oscar" else 1):
             for i, centred in enumerate(value_means):
                 tr = derive_transforms(obs.layers[layer], dataclasses.replace(spec, value_mean=centred), seed, seed)
                 sides = ("key", "value") if i == 0 else ("value",)
-                kc, vc, err = search_clip(h.q, h.k, h.v, tr, group_size, obs.skip_first, clip_grid, sides)
+                kc, vc, err = search_clip(h.q, h.k, h.v, tr, group_size, obs.skip_first, clip_grid, sides, probs)
                 if kc is not None and (best_k is None or err["key_error"][kc] < best_k[0]):
                     best_k = (err["key_error"][kc], seed, kc, tr)
                 if best_v is None or err["value_error"][vc] < best_v[0]:
