@@ -4,7 +4,8 @@
 #   bash benchmarks/eval_gpu.sh stage DIR            # a call that only carries pieces: copy DIR/* to /tmp/stage
 #   bash benchmarks/eval_gpu.sh run GGUF_NAME [oscar eval args...]
 #   bash benchmarks/eval_gpu.sh py GGUF_NAME SCRIPT [args...]   # the same staging, then a python script
-# "run" concatenates /tmp/stage/GGUF_NAME.part* (or, for a single model, /tmp/stage/part*), in name order, into
+# "run" concatenates /tmp/stage/GGUF_NAME.part* (or, for a single model, /tmp/stage/part*; or GGUF_NAME.gz.part*, a
+# gzip stream split with `gzip -c GGUF | split -b 57M -d - GGUF_NAME.gz.part`), in name order, into
 # $OSCAR_CACHE/gguf/GGUF_NAME (the name the package's
 # assets expect; its sha256 is checked where the model is defined), installs carried wheels from .whl/ (gguf),
 # unpacks carried texts (*.tgz in the stage), tokenizers (tokenizers*.tgz) and calibrated artifacts (artifacts*.tgz: the
@@ -17,11 +18,18 @@ mkdir -p /tmp/stage "$OSCAR_CACHE/gguf" "$OSCAR_CACHE/text"
 case $1 in
   stage) cp "$2"/* /tmp/stage/; ls -la /tmp/stage ;;
   run|py) mode=$1 name=$2; shift 2
-       parts=$(ls /tmp/stage/"$name".part* 2>/dev/null || ls /tmp/stage/part*)
-       [ -f "$OSCAR_CACHE/gguf/$name" ] || cat $(echo "$parts" | sort) > "$OSCAR_CACHE/gguf/$name"
+       if [ ! -f "$OSCAR_CACHE/gguf/$name" ]; then
+         if ls /tmp/stage/"$name".gz.part* > /dev/null 2>&1; then  # gzip stream in pieces: 4-bit GGUFs shrink ~6%,
+           cat $(ls /tmp/stage/"$name".gz.part* | sort) | gunzip > "$OSCAR_CACHE/gguf/$name.partial"  # a piece fewer
+         else
+           cat $(ls /tmp/stage/"$name".part* 2>/dev/null || ls /tmp/stage/part* | sort) > "$OSCAR_CACHE/gguf/$name.partial"
+         fi
+         mv "$OSCAR_CACHE/gguf/$name.partial" "$OSCAR_CACHE/gguf/$name"
+       fi
        # texts.tgz holds texts; tokenizers.tgz, tokenizers saved by a transformers whose GGUF conversion is right
        mkdir -p "$OSCAR_CACHE/tokenizers" "$OSCAR_CACHE/artifacts"
        for t in /tmp/stage/*.tgz; do
+         [ -e "$t" ] || continue
          [ "$t.done" -nt "$t" ] && continue  # unpacked once: evals of several models then start side by side
          case $t in
            */tokenizers*.tgz) tar xzf "$t" -C "$OSCAR_CACHE/tokenizers" ;;

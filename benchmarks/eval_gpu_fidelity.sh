@@ -1,42 +1,69 @@
 #!/usr/bin/env bash
-# Issue 18's fidelity table on one H200: three packaged models side by side (one process each; a model's own runs
-# one after another), many sequences per context so the paired intervals are narrow.
-#   bash benchmarks/eval_gpu_fidelity.sh probe|short|long|full OUT
-# probe: Gemma 3 alone at 2K, 64 sequences x 64 tokens (a few minutes): run it first, as the three-model call lost the
-# machine once.
-# Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU,
-# rows at 0 and rows spread) staged with `eval_gpu.sh stage` (see that script). Logs and reports land in OUT.
-OUT=$2
+# Issue 18's fidelity table on one H200: packaged models side by side (one process each; a model's own runs one after
+# another, or side by side in `all`), many sequences per context so the paired intervals are narrow.
+#   MODELS="gemma3-270m smollm2-135m" bash benchmarks/eval_gpu_fidelity.sh probe|short|long|all OUT
+# probe: Gemma 3 alone at 2K, 64 sequences x 64 tokens (a few minutes).
+# short: 2K, 256 sequences x 64 scored tokens (16,384 a method), every baseline, retrieval at 2K; then the same tokens
+#   with the calibration rows all at position 0.
+# all: short and long at once. long: each model's 8K (64 x 128) and, where the model serves it, 32K (20 x 128), with retrieval at that length.
+# Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU)
+# staged with `eval_gpu.sh stage` (see that script). The evals stop after LIMIT seconds (default 540, under the call's
+# 600) and what they measured is packed into OUT/results.tgz: a call brings back at most 8 files.
+OUT=$2 LIMIT=${LIMIT:-540}
+W=$OUT/work
+mkdir -p "$W"
+MODELS=${MODELS:-"gemma3-270m smollm2-135m qwen2.5-coder-0.5b"}
+gguf_of() {
+  case $1 in
+    gemma3-270m) echo gemma-3-270m-q4_k_m.gguf ;;
+    smollm2-135m) echo SmolLM2-135M-Instruct.Q4_1.gguf ;;
+    qwen2.5-coder-0.5b) echo qwen2.5-coder-0.5b-instruct-q4_k_m.gguf ;;
+  esac
+}
 E="bash benchmarks/eval_gpu.sh run"
-G=gemma-3-270m-q4_k_m.gguf S=SmolLM2-135M-Instruct.Q4_1.gguf Q=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
-for g in $G $S $Q; do bash benchmarks/eval_gpu.sh py $g -c pass || exit 1; done  # reassemble and unpack once
-# The first attempt (2026-12-04) lost the machine six minutes in, cause unknown: host and GPU memory are logged every
-# 15 s, and each process takes 5 of the 16 cores (three at once)
-export OMP_NUM_THREADS=5
+for m in $MODELS; do  # reassemble, unpack and convert once: then a model's runs may start side by side
+  bash benchmarks/eval_gpu.sh py "$(gguf_of $m)" -c "from oscar_compile.assets import model_dir; model_dir('$m')" || exit 1
+done
+# An earlier attempt (2026-12-04) lost the machine six minutes in, cause unknown: host and GPU memory are logged every
+# 15 s, and the processes share the 16 cores
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-3}
 ( while sleep 15; do echo "$(date +%T) $(free -g | awk '/Mem/ {print "host used " $3 " GiB of " $2}') gpu" \
-    "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; done ) > "$OUT/memory.log" 2>&1 &
+    "$(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)"; done ) > "$W/memory.log" 2>&1 &
 watcher=$!
 
 ALL=bf16,kivi,identity,hadamard,default
-short() {  # 2K: 256 sequences x 64 scored tokens (16,384 a method); then the same tokens with calibration rows at 0
-  $E "$1" --model "$2" --ppl-contexts 2048 --ppl-sequences 256 --ppl-decode 64 --methods $ALL \
-     --retrieval-lengths 2048 --retrieval-samples 2 --out "$OUT" --name "eval_$2_h200_2k_256seq" > "$OUT/$2_2k.log" 2>&1
-  $E "$1" --model "$2" --ppl-contexts 2048 --ppl-sequences 256 --ppl-decode 64 --methods bf16,default \
-     --calib-positions 0 --retrieval-lengths "" --out "$OUT" --name "eval_$2_h200_2k_256seq_p0" > "$OUT/$2_2k_p0.log" 2>&1
+short() {  # $1: model
+  $E "$(gguf_of $1)" --model "$1" --ppl-contexts 2048 --ppl-sequences 256 --ppl-decode 64 --methods $ALL \
+     --retrieval-lengths 2048 --retrieval-samples 2 --out "$W" --name "eval_$1_h200_2k_256seq" > "$W/$1_2k.log" 2>&1
+  ls -d "${OSCAR_CACHE:-/tmp/oc}/artifacts/$1-"*"-32768-c"* > /dev/null 2>&1 || return 0  # p0 artifacts not staged
+  $E "$(gguf_of $1)" --model "$1" --ppl-contexts 2048 --ppl-sequences 256 --ppl-decode 64 --methods bf16,default \
+     --calib-positions 0 --retrieval-lengths "" --out "$W" --name "eval_$1_h200_2k_256seq_p0" > "$W/$1_2k_p0.log" 2>&1
 }
-long() {  # $3: context, $4: sequences
-  $E "$1" --model "$2" --ppl-contexts "$3" --ppl-sequences "$4" --ppl-decode 64 --methods bf16,kivi,default \
-     --retrieval-lengths "$3" --retrieval-samples 2 --out "$OUT" --name "eval_$2_h200_$(($3 / 1024))k_${4}seq" \
-     > "$OUT/$2_$3.log" 2>&1
+long() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
+  $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" --methods bf16,kivi,default \
+     --retrieval-lengths "$2" --retrieval-samples 2 --out "$W" --name "eval_$1_h200_$(($2 / 1024))k_${3}x$4" \
+     > "$W/$1_$2.log" 2>&1
 }
-case $1 in
-  probe) $E $G --model gemma3-270m --ppl-contexts 2048 --ppl-sequences 64 --ppl-decode 64 --methods bf16,default \
-         --retrieval-lengths "" --out "$OUT" --name eval_gemma3-270m_h200_2k_64seq > "$OUT/probe.log" 2>&1 & ;;
-  short) short $G gemma3-270m & short $S smollm2-135m & short $Q qwen2.5-coder-0.5b & ;;
-  long) long $G gemma3-270m 8192 64 & long $S smollm2-135m 8192 64 &
-        { long $Q qwen2.5-coder-0.5b 8192 64; long $Q qwen2.5-coder-0.5b 32768 16; } & ;;
-  full) long $G gemma3-270m 32768 20 & ;;
-esac
-wait $(jobs -p | grep -v "^$watcher$")
-kill $watcher
-tail -n 25 "$OUT"/*.log
+for m in $MODELS; do
+  case $1 in
+    probe) [ $m = gemma3-270m ] && $E "$(gguf_of $m)" --model $m --ppl-contexts 2048 --ppl-sequences 64 --ppl-decode 64 \
+             --methods bf16,default --retrieval-lengths "" --out "$W" --name eval_gemma3-270m_h200_2k_64seq \
+             > "$W/probe.log" 2>&1 & ;;
+  esac
+  case $1 in short|all) short $m & ;; esac
+  case $1 in long|all)
+    case $m in
+      smollm2-135m) long $m 8192 64 128 & ;;  # its full context
+      *) long $m 8192 64 128 & long $m 32768 20 128 & ;;  # Gemma 3 270M and Qwen2.5-Coder-0.5B serve 32K
+    esac ;;
+  esac
+done
+jobs=$(jobs -p | grep -v "^$watcher$")
+( sleep "$LIMIT"; while true; do pkill -f "oscar_compile eval"; sleep 1; done ) > /dev/null 2>&1 &  # a killed run
+# keeps its .partial.json; the loop also stops the runs queued behind it
+stopper=$!
+wait $jobs
+kill $watcher $stopper 2> /dev/null
+for f in "$W"/*.log; do echo "== $f"; tr '\r' '\n' < "$f" | grep -E "^ppl  context|^retrieval  |Error|error:" | tail -n 20; done
+tail -n 4 "$W/memory.log"
+tar czf "$OUT/results-$1.tgz" -C "$W" . && rm -rf "$W"
