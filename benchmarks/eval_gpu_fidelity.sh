@@ -5,7 +5,8 @@
 # probe: Gemma 3 alone at 2K, 64 sequences x 64 tokens (a few minutes).
 # short: 2K, 256 sequences x 64 scored tokens (16,384 a method), every baseline, retrieval at 2K; then the same tokens
 #   with the calibration rows all at position 0.
-# all: short and long at once. long: each model's 8K (64 x 128) and, where the model serves it, 32K (20 x 128), with retrieval at that length.
+# all: short and long at once (for two models the five processes outgrew the H200's 139 GiB on 2026-12-05 and the
+#   long runs died: run short, then long). long: each model's 8K (64 x 128) and, where the model serves it, 32K (20 x 128), with retrieval at that length.
 # Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU)
 # staged with `eval_gpu.sh stage` (see that script). The evals stop after LIMIT seconds (default 540, under the call's
 # 600) and what they measured is packed into OUT/results.tgz: a call brings back at most 8 files.
