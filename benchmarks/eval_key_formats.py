@@ -23,15 +23,14 @@ from transformers.cache_utils import DynamicLayer
 from oscar_compile.assets import load_model, load_text
 from oscar_compile.calibration.artifacts import load_artifacts
 from oscar_compile.quant import quantize_int2, dequantize_int2
-from oscar_compile.evaluation import paired_delta, make_retrieval_prompt, RetrievalPrompt
+from oscar_compile.evaluation import paired_delta, make_retrieval_prompt
+from probe_key_noise import per_channel_round_trip
 
 def rt_rows(x, clip, gs=None):
     return dequantize_int2(*quantize_int2(x, gs, clip), gs)
 
-def rt_chan(x):  # x [B, H, N, d]: per channel over the N tokens
-    mn, mx = x.amin(2, keepdim=True), x.amax(2, keepdim=True)
-    step = ((mx - mn) / 3).half().float(); mn = mn.half().float()
-    return ((x - mn) / step.clamp_min(1e-12)).round().clamp(0, 3) * step + mn
+def rt_chan(x):  # x [B, H, N, d]: per channel over the N tokens (probe_key_noise's round trip, one group)
+    return per_channel_round_trip(x.flatten(0, 1), x.shape[2], 0).view_as(x)
 
 class FQLayer(DynamicLayer):
     def __init__(self, tr, mode, sinks, window):
