@@ -57,9 +57,18 @@ def key_noise(q, k, tr, scale: float, sinks: int, window: int, queries: int) -> 
     p_exact = torch.softmax(exact.masked_fill(~visible, float("-inf")), -1)
     formats = [("row", None, 2 + 32 / d)] + [(f"row g{g}", g, 2 + 32 / g) for g in (64, 32) if g < d]
     formats += [(f"chan t{n}", -n, 2 + 32 / n) for n in (64, 32)]
+    # the same per-channel format in two other bases (exact scores unchanged): the artifact's without its final
+    # Hadamard (the scaled eigenbasis: per-channel ranges are scale-invariant), and the raw centred keys (KIVI's)
+    from oscar_compile.quant import hadamard_matrix
+
+    bases = {"eig": hadamard_matrix(d), "raw": torch.linalg.inv(tr.key_transform)}  # kt @ M: keys in that basis
+    formats += [(f"chan t32 {b}", -32, 2 + 1.0) for b in bases]
     out = {"int2_share_exact": float((p_exact * int2).sum(-1).mean())}
     for name, g, bits in formats:
-        if g is not None and g < 0:
+        m = bases.get(name.split()[-1])
+        if m is not None:  # quantized in that basis and brought back to the artifact's, where the queries are
+            kq = per_channel_round_trip(kt @ m, -g, sinks) @ torch.linalg.inv(m)
+        elif g is not None and g < 0:
             kq = per_channel_round_trip(kt, -g, sinks)
         else:
             kq = dequantize_int2(*quantize_int2(kt, g, tr.key_clip), g)

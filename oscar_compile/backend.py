@@ -105,6 +105,11 @@ class BackendOptions:
     # rest (a group of 32 channels costs a head_dim-64 layer 0.5 bits an element more than one group a row). The
     # artifact's clip ratios were searched at its own group size.
     layer_group_sizes: dict | None = None
+    # "token": keys quantized per token like values. "channel": keys per channel over each page's ``page_size``
+    # tokens in the artifact's basis (2 + 32 / page_size bits; the ring grows by page_size - 1 tokens), which
+    # kept needle retrieval from the INT2 pages where per-token keys lost it (PagedInt2KVCache's key_format).
+    # The PyTorch reference runs it on every device for now: no Triton kernel reads it yet.
+    key_format: str = "token"
 
 
 class OscarBackend:
@@ -117,6 +122,8 @@ class OscarBackend:
         self.options = BackendOptions(**options)
         if self.options.sliding_storage not in ("ring", "smallest"):
             raise ValueError(f"oscar_backend: sliding_storage must be 'ring' or 'smallest', got {self.options.sliding_storage!r}")
+        if self.options.key_format not in ("token", "channel"):
+            raise ValueError(f"oscar_backend: key_format must be 'token' or 'channel', got {self.options.key_format!r}")
         if self.options.rotation not in ROTATIONS:
             raise ValueError(f"oscar_backend: rotation must be one of {ROTATIONS}, got {self.options.rotation!r}")
         layers = self.options.bf16_layers
@@ -321,7 +328,7 @@ class OscarBackend:
             cache = PagedInt2KVCache(
                 1, m.num_kv_heads, m.head_dim, max_batch_size=rows, max_seq_len=max_len, page_size=o.page_size,
                 num_sinks=o.num_sinks, window=o.window, group_size=group, identity_block_table=True,
-                quantize=quantize, sliding_window=sliding, max_chunk=o.max_chunk, dtype=dtype,
+                quantize=quantize, sliding_window=sliding, max_chunk=o.max_chunk, key_format=o.key_format, dtype=dtype,
                 meta_dtype=o.meta_dtype, device=device,
             )
             cache.set_transforms(0, self._transforms(layer, m.num_kv_heads, m.head_dim))

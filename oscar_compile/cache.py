@@ -5,6 +5,7 @@ Layout per layer (DESIGN.md section 3)::
     k_codes, v_codes  [num_pages, page_size, kv_heads, d // 4]    uint8, INT2 in fragment order (kernels/fragment_order.py;
                                                                   logical quartered order where d % 64 or page_size % 16)
     k_meta,  v_meta   [num_pages, page_size, kv_heads, 2 * d // g] (scales..., mins...) in meta_dtype
+                      (k_meta [num_pages, 1, kv_heads, 2 * d] with key_format="channel")
     k_sink,  v_sink   [batch, num_sinks, kv_heads, d]             cache dtype (BF16)
     k_ring,  v_ring   [batch, window, kv_heads, d]                cache dtype, slot = position % window
 
@@ -13,7 +14,10 @@ shared by all layers::
     block_table [batch, max_pages] int32 (-1 = no page), seq_lens [batch] int32
 
 The pages hold the quantized positions ``S .. L - W - 1`` of a row (quantized index ``j = p - S``),
-so a row of length ``L`` owns ``ceil((L - S - W) / page_size)`` pages. Page ownership is managed
+so a row of length ``L`` owns ``ceil((L - S - W) / page_size)`` pages. With ``key_format="channel"`` the keys
+of a page are quantized per channel over its tokens (KIVI's axis, in the transformed basis), so a page is
+written whole once its last token leaves the window: the ring holds ``W + page_size - 1`` tokens and a row owns
+``floor((L - S - W) / page_size)`` pages. Page ownership is managed
 here on the host (:meth:`allocate`, :meth:`release`); the ops only read the block table.
 """
 
@@ -26,7 +30,7 @@ import torch
 
 from . import ops
 from .kernels.store import CacheCapacityError
-from .quant import bits_per_element, hadamard_matrix
+from .quant import bits_per_element, channel_bits_per_element, hadamard_matrix
 
 __all__ = ["LayerTransforms", "LayerKV", "PagedInt2KVCache", "MemoryReport", "CacheCapacityError"]
 
@@ -175,11 +179,15 @@ class MemoryReport:
 
 
 def row_bytes(heads: int, head_dim: int, bf16_tokens: int, page_tokens: int, group_size: int, dtype: torch.dtype,
-              meta_dtype: torch.dtype) -> int:
+              meta_dtype: torch.dtype, channel_page: int = 0) -> int:
     """Bytes of one row's keys (or values) in one layer: ``bf16_tokens`` in the cache dtype (sinks and ring)
-    plus ``page_tokens`` in INT2 pages (codes and per-group scale and minimum)."""
+    plus ``page_tokens`` in INT2 pages (codes and per-group scale and minimum; ``channel_page`` > 0: one
+    scale and minimum per channel for every ``channel_page`` tokens instead, the per-channel key format)."""
     token = heads * head_dim * (torch.finfo(dtype).bits // 8)
-    page_token = heads * (head_dim // 4 + 2 * (head_dim // group_size) * (torch.finfo(meta_dtype).bits // 8))
+    meta_bytes = torch.finfo(meta_dtype).bits // 8
+    if channel_page:
+        return bf16_tokens * token + page_tokens * heads * head_dim // 4 + page_tokens // channel_page * heads * 2 * head_dim * meta_bytes
+    page_token = heads * (head_dim // 4 + 2 * (head_dim // group_size) * meta_bytes)
     return bf16_tokens * token + page_tokens * page_token
 
 
@@ -202,6 +210,12 @@ class PagedInt2KVCache:
             pages, memory independent of the context; tokens leaving the ring are dropped, since no later
             query can see them. ``max_chunk``: most tokens one :meth:`store` call may write to such a layer
             (a longer prompt is prefilled in chunks); a larger call raises :class:`CacheCapacityError`.
+        key_format: ``"token"`` (default): keys quantized per token in groups of ``group_size`` channels, as values.
+            ``"channel"``: keys quantized per channel over each page's ``page_size`` tokens (one fp16 scale and
+            minimum per channel and page: ``2 + 32 / page_size`` bits), KIVI's axis in the transformed basis,
+            which keeps the keys' per-channel ranges and so the ranking of scores that retrieval depends on.
+            A page is written once all its tokens left the window (the ring holds ``window + page_size - 1``).
+            No Triton kernel reads it yet: on CUDA both ops run the PyTorch reference for such a cache.
         dtype: dtype of sinks and ring; meta_dtype: dtype of scales and minimums.
     """
 
@@ -222,6 +236,7 @@ class PagedInt2KVCache:
         quantize: bool = True,
         sliding_window: int | None = None,
         max_chunk: int = 2048,
+        key_format: str = "token",
         dtype: torch.dtype = torch.bfloat16,
         meta_dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
@@ -237,6 +252,13 @@ class PagedInt2KVCache:
                 raise ValueError(f"oscar: {name} must be >= 1, got {val}")
         if num_sinks < 0 or window < 0:
             raise ValueError(f"oscar: num_sinks and window must be >= 0, got {num_sinks} and {window}")
+        if key_format not in ("token", "channel"):
+            raise ValueError(f"oscar: key_format must be 'token' or 'channel', got {key_format!r}")
+        if key_format == "channel" and page_size < 2:
+            raise ValueError("oscar: key_format='channel' quantizes each channel over a page's tokens: page_size must be "
+                             f">= 2 (16 to 64 is sensible), got {page_size}")
+        # per-channel keys only where tokens are quantized (a sliding-window or unquantized cache has no pages)
+        self.key_format = key_format if quantize and sliding_window is None else "token"
         if sliding_window is not None:
             if int(sliding_window) < 1 or int(max_chunk) < 1:
                 raise ValueError(f"oscar: sliding_window and max_chunk must be >= 1, got {sliding_window} and {max_chunk}")
@@ -254,6 +276,7 @@ class PagedInt2KVCache:
         # A row of length L owns pages for its quantized positions S .. L - W - 1. Keep >= 1 page so
         # no tensor is zero-sized (kernels index them unconditionally behind masks); a sliding-window
         # layer has a block table of width 0 (no pages: the ops drop what leaves the ring) and a 1-page pool.
+        self.ring_len = window + (page_size - 1 if self.key_format == "channel" else 0)  # + the page being filled
         self.max_pages = 0 if self.sliding_window else max(1, self.pages_for(max_seq_len))
         self.num_pages = max(1, max_batch_size * self.max_pages) if num_pages is None else int(num_pages)
         if self.num_pages < 1:
@@ -268,9 +291,14 @@ class PagedInt2KVCache:
         def bf16(tokens):
             return torch.zeros(max_batch_size, tokens, h, d, dtype=dtype, device=dev)
 
+        def key_meta():
+            if self.key_format == "channel":  # one (scales, minimums) row per page and head
+                return torch.zeros(self.num_pages, 1, h, 2 * d, dtype=meta_dtype, device=dev)
+            return pool(2 * d // g, meta_dtype)
+
         self.layers = [
-            LayerKV(pool(d // 4, torch.uint8), pool(2 * d // g, meta_dtype), pool(d // 4, torch.uint8), pool(2 * d // g, meta_dtype),
-                    bf16(num_sinks), bf16(num_sinks), bf16(window), bf16(window))
+            LayerKV(pool(d // 4, torch.uint8), key_meta(), pool(d // 4, torch.uint8), pool(2 * d // g, meta_dtype),
+                    bf16(num_sinks), bf16(num_sinks), bf16(self.ring_len), bf16(self.ring_len))
             for _ in range(num_layers)
         ]
         self.transforms = [LayerTransforms.identity(h, d, device=dev) for _ in range(num_layers)]
@@ -292,6 +320,8 @@ class PagedInt2KVCache:
         """Pages a row of ``length`` tokens owns (none in a sliding-window layer)."""
         if self.sliding_window:
             return 0
+        if self.key_format == "channel":  # whole pages only: a page is written when its last token leaves the window
+            return max(0, length - self.num_sinks - self.window) // self.page_size
         return math.ceil(max(0, length - self.num_sinks - self.window) / self.page_size)
 
     @property
@@ -300,7 +330,14 @@ class PagedInt2KVCache:
         sliding-window layer: ``max_seq_len``, its ring keeps what its window can see)."""
         if self.sliding_window:
             return self.max_seq_len
-        return self.num_sinks + self.window + self.max_pages * self.page_size
+        return self.num_sinks + self.ring_len + self.max_pages * self.page_size
+
+    def quantized_tokens(self, length: int) -> int:
+        """Tokens of a row of ``length`` held in INT2 pages (the ring holds the rest after the sinks)."""
+        if self.sliding_window or not self.quantize:
+            return 0
+        n = max(0, length - self.num_sinks - self.window)
+        return n // self.page_size * self.page_size if self.key_format == "channel" else n
 
     def _take_pages(self, row: int, count: int) -> None:
         have = len(self._row_pages[row])
@@ -443,21 +480,22 @@ class PagedInt2KVCache:
         either the same window or windows that hold every position (``quantize=False``).
         """
         s, ps = self.num_sinks, self.page_size
-        same = (s, ps, self.num_kv_heads, self.head_dim, self.group_size, self.dtype, self.meta_dtype) == (
-            dst.num_sinks, dst.page_size, dst.num_kv_heads, dst.head_dim, dst.group_size, dst.dtype, dst.meta_dtype)
-        windows_ok = self.window == dst.window or min(self.window, dst.window) >= length
+        same = (s, ps, self.num_kv_heads, self.head_dim, self.group_size, self.dtype, self.meta_dtype, self.key_format) == (
+            dst.num_sinks, dst.page_size, dst.num_kv_heads, dst.head_dim, dst.group_size, dst.dtype, dst.meta_dtype,
+            dst.key_format)
+        windows_ok = self.window == dst.window or min(self.ring_len, dst.ring_len) >= length
         if not (same and windows_ok and self.identity_block_table and dst.identity_block_table):
             raise ValueError(f"oscar: cannot move rows from {self!r} to {dst!r}")
         if rows > min(self.max_batch_size, dst.max_batch_size) or length > min(self.capacity_tokens, dst.capacity_tokens):
             raise CacheCapacityError(f"oscar: {rows} rows of {length} tokens do not fit both {self!r} and {dst!r}")
-        ring_pos = torch.arange(min(max(s, length - self.window), length), length, device=self.device)
+        ring_pos = torch.arange(min(s + self.quantized_tokens(length), length), length, device=self.device)
         pages = self.pages_for(length)
         src_pages, dst_pages = self.block_table[:rows, :pages].long(), dst.block_table[:rows, :pages].long()
         for a, b in zip(self.layers, dst.layers):
             b.k_sink[:rows], b.v_sink[:rows] = a.k_sink[:rows], a.v_sink[:rows]
-            if self.window:
-                b.k_ring[:rows, ring_pos % dst.window] = a.k_ring[:rows, ring_pos % self.window]
-                b.v_ring[:rows, ring_pos % dst.window] = a.v_ring[:rows, ring_pos % self.window]
+            if self.ring_len:
+                b.k_ring[:rows, ring_pos % dst.ring_len] = a.k_ring[:rows, ring_pos % self.ring_len]
+                b.v_ring[:rows, ring_pos % dst.ring_len] = a.v_ring[:rows, ring_pos % self.ring_len]
             for name in ("k_codes", "k_meta", "v_codes", "v_meta"):
                 getattr(b, name)[dst_pages] = getattr(a, name)[src_pages]
 
@@ -477,8 +515,11 @@ class PagedInt2KVCache:
         """Memory one row of ``context_len`` tokens takes: its sink and ring buffers plus its pages."""
         h, d, nl = self.num_kv_heads, self.head_dim, self.num_layers
         # K and V: the row's full sink and ring buffers plus its pages (the block table is negligible).
-        per_layer = 2 * row_bytes(h, d, self.num_sinks + self.window, self.pages_for(context_len) * self.page_size,
-                                  self.group_size, self.dtype, self.meta_dtype)
+        bf16_tokens, page_tokens = self.num_sinks + self.ring_len, self.pages_for(context_len) * self.page_size
+        values = row_bytes(h, d, bf16_tokens, page_tokens, self.group_size, self.dtype, self.meta_dtype)
+        keys = row_bytes(h, d, bf16_tokens, page_tokens, self.group_size, self.dtype, self.meta_dtype,
+                         channel_page=self.page_size if self.key_format == "channel" else 0)
+        per_layer = keys + values
         elements = 2 * context_len * h * d
         return MemoryReport(
             context_len=context_len, num_layers=nl, num_kv_heads=h, head_dim=d,
@@ -489,12 +530,17 @@ class PagedInt2KVCache:
 
     @property
     def page_bits_per_element(self) -> float:
-        return bits_per_element(self.head_dim, self.group_size, self.meta_dtype)
+        """Bits per element of the pages, keys and values averaged."""
+        values = bits_per_element(self.head_dim, self.group_size, self.meta_dtype)
+        if self.key_format == "channel":
+            return (values + channel_bits_per_element(self.page_size, self.meta_dtype)) / 2
+        return values
 
     def __repr__(self) -> str:
         return (
             f"PagedInt2KVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"batch={self.max_batch_size}, max_seq_len={self.max_seq_len}, pages={self.num_pages}x{self.page_size}, "
             f"sinks={self.num_sinks}, window={self.window}, group={self.group_size}, quantize={self.quantize}, "
+            + (f"keys per channel over pages, ring {self.ring_len}, " if self.key_format == "channel" else "") +
             f"{self.nbytes / 2**20:.1f} MiB on {self.device})"
         )

@@ -14,9 +14,11 @@ def _memory(args) -> int:
 
     for d in args.head_dim:
         cache = PagedInt2KVCache(args.layers, args.kv_heads, d, max_seq_len=1, page_size=args.page_size,
-                                 num_sinks=args.sinks, window=args.window, group_size=args.group_size, device="meta")
+                                 num_sinks=args.sinks, window=args.window, group_size=args.group_size,
+                                 key_format=args.key_format, device="meta")
+        keys = ", keys per channel over each page" if args.key_format == "channel" else ""
         print(f"head_dim {d}, {args.kv_heads} KV heads, {args.layers} layers, sinks {args.sinks}, window {args.window}, "
-              f"page {args.page_size}, group {cache.group_size}:")
+              f"page {args.page_size}, group {cache.group_size}{keys}:")
         for ctx in args.context:
             print("  " + str(cache.memory_report(ctx)))
     return 0
@@ -76,7 +78,8 @@ def _eval(args) -> int:
              "bfloat16": torch.bfloat16}[args.dtype]
     model, tok = load_model(args.model)  # float32 on the CPU: calibration and the artifact hash see these weights
     names = args.methods.split(",")
-    base, seq_of, positions_of, bf16_layers, group_sizes = _method_specs(names, args.calib_seq_len, args.calib_positions)
+    base, seq_of, positions_of, bf16_layers, group_sizes, channel_pages = _method_specs(names, args.calib_seq_len,
+                                                                                        args.calib_positions)
     calibrated = [n for n in names if base[n] not in ("bf16", "kivi")]
     artifacts = {}
     for seq, positions in dict.fromkeys((seq_of[n], positions_of[n]) for n in calibrated):
@@ -106,6 +109,9 @@ def _eval(args) -> int:
                 options["layer_group_sizes"] = group_sizes[n]
                 for size in sorted(set(group_sizes[n].values())):
                     label += f" g{size} L{','.join(str(k) for k, g in sorted(group_sizes[n].items()) if g == size)}"
+            if channel_pages[n]:
+                options.update(key_format="channel", page_size=channel_pages[n])
+                label += f" keys per channel x{channel_pages[n]}"
             methods.append(Method(label + (f" g{args.group_size}" if args.group_size else ""), "oscar", artifacts[n],
                                   options))
     cfg = EvalConfig(ppl_contexts=ints(args.ppl_contexts), ppl_decode=args.ppl_decode, ppl_sequences=args.ppl_sequences,
@@ -215,17 +221,23 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     ``calib_seq_len``); "method:L0:L5": layers 0 and 5 kept in BF16 (the backend's bf16_layers); "method:p2048":
     calibration rows spread over 2048 positions (p0: all at position 0), overriding ``--calib-positions`` for that
     method, so several spreads share one run's tokens and its bf16; "method:g32.4-10.20": groups of 32 channels in
-    layers 4 to 10 and 20 (the backend's layer_group_sizes)."""
+    layers 4 to 10 and 20 (the backend's layer_group_sizes); "method:c32": keys per channel over pages of 32
+    tokens (the backend's key_format="channel", page_size=32)."""
     base, seq_of, positions_of, bf16_layers, group_sizes = {}, {}, {}, {}, {}
-    usage = ("':L<layer>' keeps a layer in BF16, ':p<tokens>' spreads the calibration rows and ':g<size>.<layers>' "
-             "(e.g. g32.4-10.20) gives layers their own group size (an oscar method only, e.g. default:L0:p2048:g32.7)")
+    channel_pages = {}
+    usage = ("':L<layer>' keeps a layer in BF16, ':p<tokens>' spreads the calibration rows, ':g<size>.<layers>' "
+             "(e.g. g32.4-10.20) gives layers their own group size and ':c<tokens>' quantizes keys per channel over "
+             "pages of that many tokens (an oscar method only, e.g. default:L0:p2048:g32.7:c32)")
     for n in names:
         head, *tags = n.split(":")
         base[n], _, seq = head.partition("@")
         layer_tags = [t for t in tags if t.startswith("L") and t[1:].isdigit()]
         position_tags = [t for t in tags if t.startswith("p") and t[1:].isdigit()]
         group_tags = [t for t in tags if t.startswith("g")]
-        if (len(layer_tags) + len(position_tags) + len(group_tags) != len(tags) or len(position_tags) > 1
+        channel_tags = [t for t in tags if t.startswith("c") and t[1:].isdigit() and int(t[1:]) >= 2]
+        channel_pages[n] = int(channel_tags[0][1:]) if channel_tags else None
+        if (len(layer_tags) + len(position_tags) + len(group_tags) + len(channel_tags) != len(tags)
+                or len(position_tags) > 1 or len(channel_tags) > 1
                 or (tags and base[n] in ("bf16", "kivi"))):
             raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, {usage}")
         try:
@@ -246,7 +258,7 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
             if g <= 0 or not layers:
                 raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, {usage}")
             group_sizes[n].update(dict.fromkeys(layers, g))
-    return base, seq_of, positions_of, bf16_layers, group_sizes
+    return base, seq_of, positions_of, bf16_layers, group_sizes, channel_pages
 
 
 def _positions_arg(value: str):
@@ -363,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--context", type=int, nargs="+", default=[4096, 32768, 131072])
     mem.add_argument("--sinks", type=int, default=64)
     mem.add_argument("--window", type=int, default=256)
+    mem.add_argument("--key-format", default="token", choices=["token", "channel"],
+                     help="channel: keys quantized per channel over each page's tokens (2 + 32/page bits)")
     mem.add_argument("--page-size", type=int, default=16)
     mem.add_argument("--group-size", type=int, default=None)
     mem.set_defaults(func=_memory)

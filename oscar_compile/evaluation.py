@@ -57,8 +57,9 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
     layers = model_config.num_hidden_layers
     slides = sliding_windows(model_config)
     def int2_bits(group_size):
+        layout = {k: method.options[k] for k in ("page_size", "key_format") if k in method.options}
         cache = PagedInt2KVCache(1, heads, d, max_seq_len=1, num_sinks=num_sinks, window=window,
-                                 group_size=group_size, dtype=cache_dtype, device="meta")
+                                 group_size=group_size, dtype=cache_dtype, device="meta", **layout)
         return cache.memory_report(context).bits_per_element
 
     full = fp_bits if method.kind == "bf16" else int2_bits(method.options.get("group_size"))

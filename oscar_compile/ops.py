@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .kernels.attention import attention_reference
-from .kernels.checks import check_attention, check_store
+from .kernels.checks import check_attention, check_store, is_channel_key_meta
 from .kernels.store import store_reference
 
 CACHE_ARG_NAMES = ("k_codes", "k_meta", "v_codes", "v_meta", "k_sink", "v_sink", "k_ring", "v_ring", "block_table")
@@ -149,7 +149,8 @@ def triton_supported(head_dim: int, num_groups: int) -> bool:
 
 
 def _register_triton_kernels() -> bool:
-    """Make the Triton kernels the CUDA implementation of both ops (the reference stays the fallback)."""
+    """Make the Triton kernels the CUDA implementation of both ops (the reference stays the fallback: shapes the
+    kernels do not take, and per-channel keys, which have no kernel yet)."""
     import os
 
     if os.environ.get("OSCAR_KERNELS", "triton") == "reference":
@@ -172,7 +173,7 @@ def _register_triton_kernels() -> bool:
                     key_transform, key_mean, value_transform, value_mean, key_clip, value_clip):
         args = (k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
                 key_transform, key_mean, value_transform, value_mean, key_clip, value_clip)
-        if triton_store and triton_supported(k.shape[-1], k_meta.shape[-1] // 2):
+        if triton_store and triton_supported(k.shape[-1], v_meta.shape[-1] // 2) and not is_channel_key_meta(k_codes, k_meta):
             return store_triton(*args)
         return store_reference(*args)
 
@@ -183,7 +184,7 @@ def _register_triton_kernels() -> bool:
         args = (q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
                 query_transform, output_transform, value_mean, attn_mask, is_causal, scale, k_chunk, v_chunk,
                 chunk_positions)
-        if triton_supported(q.shape[-1], k_meta.shape[-1] // 2):
+        if triton_supported(q.shape[-1], v_meta.shape[-1] // 2) and not is_channel_key_meta(k_codes, k_meta):
             return attention_triton(*args)
         return attention_reference(*args)
 

@@ -26,6 +26,7 @@ __all__ = [
     "clip_rows",
     "quantize_int2",
     "dequantize_int2",
+    "quantize_int2_channels",
     "hadamard_matrix",
     "identity_matrix",
     "bits_per_element",
@@ -107,6 +108,26 @@ def quantize_int2(
     return pack_int2(codes.flatten(-2).to(torch.uint8)), scale, minimum
 
 
+def quantize_int2_channels(
+    x: torch.Tensor, meta_dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x [..., T, d]`` to INT2 per channel over its ``T`` tokens (KIVI's key axis): one (scale, min)
+    per channel, the same rounding as :func:`quantize_int2`, no clipping (a channel's outlier tokens are what
+    the per-channel range is for). Returns ``(codes, scale, minimum)``: codes uint8 ``[..., T, d/4]`` (quartered
+    packing, as per-token rows), ``scale`` and ``minimum`` in ``meta_dtype`` with shape ``[..., d]``."""
+    if not x.is_floating_point():
+        raise TypeError(f"quantize_int2_channels needs a floating-point tensor, got {x.dtype}")
+    _check_head_dim(x.shape[-1], None)
+    xf = x.float()
+    mn, mx = xf.amin(dim=-2), xf.amax(dim=-2)
+    scale = ((mx - mn) / _INT2_LEVELS).to(meta_dtype)
+    minimum = mn.to(meta_dtype)
+    s32, m32 = scale.float().unsqueeze(-2), minimum.float().unsqueeze(-2)
+    inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
+    codes = torch.floor((xf - m32) * inv + 0.5).clamp_(0, _INT2_LEVELS)
+    return pack_int2(codes.to(torch.uint8)), scale, minimum
+
+
 def dequantize_int2(
     codes: torch.Tensor,
     scale: torch.Tensor,
@@ -156,3 +177,8 @@ def bits_per_element(head_dim: int, group_size: int | None = None, meta_dtype: t
     g = _check_head_dim(head_dim, group_size)
     meta_bits = 2 * torch.finfo(meta_dtype).bits
     return 2.0 + meta_bits / g
+
+
+def channel_bits_per_element(page_size: int, meta_dtype: torch.dtype = torch.float16) -> float:
+    """Bits per stored key element when keys go per channel over pages of ``page_size`` tokens."""
+    return 2.0 + 2 * torch.finfo(meta_dtype).bits / page_size

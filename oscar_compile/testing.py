@@ -6,7 +6,7 @@ import torch
 
 from .cache import LayerTransforms, PagedInt2KVCache
 from .kernels.store import transform_rows
-from .quant import dequantize_int2, quantize_int2
+from .quant import dequantize_int2, quantize_int2, quantize_int2_channels
 
 
 def random_orthogonal(h: int, d: int, gen: torch.Generator) -> torch.Tensor:
@@ -83,13 +83,22 @@ class CacheOracle:
             self.keys[row].extend(kt[i, :n].unbind(0))
             self.values[row].extend(vt[i, :n].unbind(0))
 
-    def history(self, row: int, tokens: list[torch.Tensor], clip: float, exact_from: int) -> torch.Tensor:
-        """Stored history; positions ``>= exact_from`` (the newest chunk) are read exactly."""
+    def history(self, row: int, tokens: list[torch.Tensor], clip: float, exact_from: int, channel: bool = False) -> torch.Tensor:
+        """Stored history; positions ``>= exact_from`` (the newest chunk) are read exactly. ``channel``: the side
+        is quantized per channel over whole pages (the cache's per-channel keys)."""
         c = self.cache
         x = torch.stack(tokens).double()  # [L, H, d]
-        length = x.shape[0]
-        lo, hi = c.num_sinks, min(length - c.window, exact_from)
-        if hi > lo:
+        length, (_, h, d) = x.shape[0], x.shape
+        lo, hi = c.num_sinks, c.num_sinks + c.quantized_tokens(length)
+        if channel and hi > lo:  # every whole page, its chunk tokens included; those are then read exactly
+            by_page = x[lo:hi].to(c.dtype).float().reshape(-1, c.page_size, h, d).transpose(1, 2)
+            packed, scale, mn = quantize_int2_channels(by_page, c.meta_dtype)
+            deq = dequantize_int2(packed, scale[..., None, :], mn[..., None, :], group_size=1)
+            exact = x[exact_from:].clone()
+            x[lo:hi] = deq.transpose(1, 2).reshape(hi - lo, h, d).double()
+            x[exact_from:] = exact
+        elif min(hi, exact_from) > lo:
+            hi = min(hi, exact_from)
             packed, scale, mn = quantize_int2(x[lo:hi].to(c.dtype).float(), c.group_size, clip, c.meta_dtype)
             x[lo:hi] = dequantize_int2(packed, scale, mn, c.group_size).double()
         return x
@@ -101,7 +110,7 @@ class CacheOracle:
         The newest ``chunk`` tokens are read exactly (as when attention gets the stored chunk).
         """
         exact_from = len(self.keys[row]) - chunk
-        keys = self.history(row, self.keys[row], self.tr.key_clip, exact_from)
+        keys = self.history(row, self.keys[row], self.tr.key_clip, exact_from, channel=self.cache.key_format == "channel")
         vals = self.history(row, self.values[row], self.tr.value_clip, exact_from)
         hq, t, d = q.shape
         h = keys.shape[1]

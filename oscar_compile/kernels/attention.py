@@ -4,7 +4,8 @@ Semantics, per sequence row ``b``:
 
 * ``seq_lens[b] = L_b`` is the number of tokens stored in the row (what the last ``store`` left:
   its newest position + 1). Key ``j < L_b`` is read from the sink (``j < S``), the ring
-  (``j >= max(S, L_b - W)``) or its INT2 page (dequantized), all in the transformed basis. Keys
+  (``j >= max(S, L_b - W)``; with per-channel keys from the last whole page's end, see
+  ``CacheGeometry.quantized_len``) or its INT2 page (dequantized), all in the transformed basis. Keys
   ``j >= L_b`` do not exist.
 * ``positions[b, t]`` is query ``t``'s position, used only for ``is_causal`` (key ``j`` visible iff
   ``j <= positions[b, t]``) and for padding (a negative position returns zeros).
@@ -57,16 +58,16 @@ def gather_history(
         n_quantized = max_len - s
         n_pages = min(-(-n_quantized // ps), geo.max_pages)
         pages = block_table[:nb, :n_pages].long().clamp(min=0)  # [B, P]; unowned -> masked below
-        meta_rows = meta[pages].float()  # [B, P, ps, H, 2 groups]
+        meta_rows = meta[pages].float()  # [B, P, ps, H, 2 groups] ([B, P, 1, H, 2d] for per-channel keys)
         deq = dequantize_codes(fragment_order.read_page_codes(codes, pages, kind), *meta_rows.chunk(2, dim=-1),
-                               group_size=geo.group_size).flatten(1, 2)[:, :n_quantized]
+                               group_size=1 if meta_rows.shape[2] != ps else geo.group_size).flatten(1, 2)[:, :n_quantized]
         out[:, s:s + deq.shape[1]] = deq
         # positions before every row's window read pages; from there on, a row's window reads its ring
-        ring_from = max(s, shortest - w)
+        ring_from = s + geo.quantized_len(shortest)
         if w > 0 and ring_from < max_len:
             jr = j[ring_from:]
-            ring_rows = ring[:nb][:, jr % w].float()  # ring slot = absolute position % W
-            in_page = jr[None, :] < (lengths[:, None] - w)
+            ring_rows = ring[:nb][:, jr % w].float()  # ring slot = absolute position % ring length
+            in_page = jr[None, :] < s + geo.quantized_len(lengths[:, None])
             out[:, ring_from:] = torch.where(in_page[..., None, None], out[:, ring_from:], ring_rows)
     # where, not a product: a NaN in a slot the row does not own (another row's page, a stale token)
     # must not reach this row (NaN * 0 is NaN, and a masked NaN key still poisons its softmax row). Every row

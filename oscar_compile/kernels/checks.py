@@ -24,10 +24,33 @@ class CacheGeometry:
     window: int
     batch_capacity: int
     max_pages: int
+    # Keys quantized per channel over each page's tokens (one (scale, min) per channel and page: KIVI's axis,
+    # in the transformed basis), values per token as usual. A page is then quantized only once all its tokens
+    # have left the window, so the ring holds ``window + page_size - 1`` tokens (``window`` here is the ring's
+    # length; ``evict_window`` the window the cache was made with).
+    key_channel: bool = False
 
     @property
     def group_size(self) -> int:
         return self.head_dim // self.num_groups
+
+    @property
+    def flush(self) -> int:
+        """Tokens that enter the pages together: a whole page for per-channel keys, else one."""
+        return self.page_size if self.key_channel else 1
+
+    @property
+    def evict_window(self) -> int:
+        """Tokens a row keeps in the ring at least (all of the ring but the ``flush - 1`` slots of a filling page)."""
+        return self.window - self.flush + 1
+
+    def quantized_len(self, length):
+        """Page tokens (quantized indices ``0 .. n - 1``) of a row holding ``length`` tokens (an int or a tensor):
+        every position before the last ``evict_window`` (after the sinks), rounded down to whole pages when keys
+        go per channel. The ring holds positions ``num_sinks + n .. length - 1``."""
+        n = length - self.num_sinks - self.evict_window
+        n = n.clamp(min=0) if isinstance(n, torch.Tensor) else max(0, n)
+        return n // self.flush * self.flush
 
     @property
     def drops_evicted(self) -> bool:
@@ -40,7 +63,7 @@ class CacheGeometry:
         """Tokens one row can hold: sinks + window + its block-table width in pages (unbounded without pages)."""
         if self.drops_evicted:
             return UNBOUNDED
-        return self.num_sinks + self.window + self.max_pages * self.page_size
+        return self.num_sinks + self.window + self.max_pages * self.page_size  # the ring's length, not evict_window
 
 
 UNBOUNDED = 2**62  # positions of a cache that drops what leaves its ring never run out
@@ -60,14 +83,19 @@ def check_cache(k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring
         _fail(f"k_codes {tuple(k_codes.shape)} and v_codes {tuple(v_codes.shape)} differ")
     num_pages, page_size, h, d4 = k_codes.shape
     d = 4 * d4
+    key_channel = is_channel_key_meta(k_codes, k_meta)
     for name, t in (("k_meta", k_meta), ("v_meta", v_meta)):
         if not t.is_floating_point():
             _fail(f"{name} must be floating point (scale, min), got {t.dtype}", TypeError)
+        if name == "k_meta" and key_channel:
+            if t.dim() != 4 or tuple(t.shape) != (num_pages, 1, h, 2 * d):
+                _fail(f"k_meta of per-channel keys must be [{num_pages}, 1, {h}, {2 * d}], got {tuple(t.shape)}")
+            continue
         if t.dim() != 4 or tuple(t.shape[:3]) != (num_pages, page_size, h) or t.shape[3] % 2:
             _fail(f"{name} must be [{num_pages}, {page_size}, {h}, 2 * d/g], got {tuple(t.shape)}")
-    if k_meta.shape != v_meta.shape:
+    if not key_channel and k_meta.shape != v_meta.shape:
         _fail(f"k_meta {tuple(k_meta.shape)} and v_meta {tuple(v_meta.shape)} differ")
-    groups = k_meta.shape[3] // 2
+    groups = v_meta.shape[3] // 2
     if groups == 0 or d % groups:
         _fail(f"metadata holds {groups} groups, which does not divide head_dim {d}")
     for name, t in (("k_sink", k_sink), ("v_sink", v_sink), ("k_ring", k_ring), ("v_ring", v_ring)):
@@ -82,6 +110,9 @@ def check_cache(k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring
         )
     if block_table.dtype not in (torch.int32, torch.int64) or block_table.dim() != 2:
         _fail(f"block_table must be int32 [batch, max_pages], got {block_table.dtype} {tuple(block_table.shape)}")
+    if key_channel and k_ring.shape[1] < page_size - 1:
+        _fail(f"per-channel keys need a ring of at least page_size - 1 = {page_size - 1} tokens (the page being filled), "
+              f"got {k_ring.shape[1]}")
     if block_table.shape[1] == 0 and k_ring.shape[1] == 0:
         _fail("a cache without pages (block table of width 0) needs a ring: it would keep nothing but its sinks")
     if block_table.shape[0] != k_sink.shape[0]:
@@ -96,7 +127,15 @@ def check_cache(k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring
         window=k_ring.shape[1],
         batch_capacity=k_sink.shape[0],
         max_pages=block_table.shape[1],
+        key_channel=key_channel and block_table.shape[1] > 0,  # without pages nothing is quantized
     )
+
+
+def is_channel_key_meta(k_codes: torch.Tensor, k_meta: torch.Tensor) -> bool:
+    """Whether ``k_meta`` holds per-channel key metadata: ``[num_pages, 1, H, 2 * d]`` (scales, then minimums, of
+    each channel over the page's tokens) in a cache of pages of more than one token. Per-token metadata is
+    ``[num_pages, page_size, H, 2 * d/g]``; with one-token pages the two formats are the same thing."""
+    return k_codes.dim() == 4 and k_meta.dim() == 4 and k_codes.shape[1] > 1 and k_meta.shape[1] == 1
 
 
 def check_positions(positions: torch.Tensor, batch: int, tokens: int) -> None:

@@ -11,6 +11,10 @@ Semantics (DESIGN.md section 3), per sequence row ``b``; ``S`` sinks, ``W`` wind
 * A chunk of many tokens (prefill) has the same end state as writing them one at a time: tokens
   that would be evicted inside the chunk go straight to their pages (quantized from the same
   cache-dtype rounded value the ring would have held, so chunking never changes the result).
+* Per-channel keys (``k_meta`` of ``[num_pages, 1, H, 2 * d]``, see :func:`checks.is_channel_key_meta`): a
+  page's keys are quantized together, per channel over its ``P`` tokens, when the last of them leaves the
+  window; until then they stay in the ring, which holds ``W + P - 1`` tokens (``W`` = ring length - P + 1).
+  Values go per token, entering the pages at the same time. The key clip ratio does not apply to them.
 * Negative positions are padding and are skipped. The valid positions of a row must be
   consecutive and continue that row's history (as every KV cache writes them).
 * A cache with no pages (block table of width 0) drops a token that leaves the ring instead of
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import quantize_int2
+from ..quant import quantize_int2, quantize_int2_channels
 from . import fragment_order
 from .checks import CacheGeometry, check_store
 
@@ -70,7 +74,7 @@ def _page_slots(geo: CacheGeometry, block_table: torch.Tensor, row: int, quant_i
 
 
 def _capacity_text(geo: CacheGeometry) -> str:
-    return (f"the cache holds {geo.capacity} tokens per row ({geo.num_sinks} sinks + {geo.window} window + {geo.max_pages} pages "
+    return (f"the cache holds {geo.capacity} tokens per row ({geo.num_sinks} sinks + {geo.window} ring + {geo.max_pages} pages "
             f"x {geo.page_size}); size it for the prompt plus every new token (max_seq_len / max_cache_len)")
 
 
@@ -78,10 +82,20 @@ def _write_pages(geo, codes, meta, block_table, row, quant_index, rows_fp, clip,
     if quant_index.numel() == 0 or geo.drops_evicted:  # no pages: what leaves the ring is dropped
         return
     pages, slots = _page_slots(geo, block_table, row, quant_index)
+    nan = torch.tensor(float("nan"), dtype=meta.dtype, device=meta.device)
+    if kind == "k" and geo.key_channel:  # whole pages (quant_index starts and ends on page boundaries)
+        ps, h, d = geo.page_size, geo.num_kv_heads, geo.head_dim
+        by_page = rows_fp.reshape(-1, ps, h, d).transpose(1, 2)  # [pages, H, P, d]
+        packed, scale, minimum = quantize_int2_channels(by_page, meta_dtype=meta.dtype)
+        # a (page, head) holding a NaN/inf dequantizes to NaN as a whole: its channels' ranges are meaningless
+        bad = ~torch.isfinite(by_page).flatten(2).all(dim=-1)[..., None]
+        scale, minimum = torch.where(bad, nan, scale), torch.where(bad, nan, minimum)
+        fragment_order.write_rows(codes, pages, slots, packed.transpose(1, 2).reshape(-1, h, d // 4), kind)
+        meta[pages[::ps], 0] = torch.cat([scale, minimum], dim=-1)
+        return
     packed, scale, minimum = quantize_int2(rows_fp, geo.group_size, clip, meta_dtype=meta.dtype)
     # A row with a NaN/inf must dequantize to NaN, not to finite values from whatever the codes became.
     bad = ~torch.isfinite(rows_fp).all(dim=-1, keepdim=True)
-    nan = torch.tensor(float("nan"), dtype=meta.dtype, device=meta.device)
     scale, minimum = torch.where(bad, nan, scale), torch.where(bad, nan, minimum)
     fragment_order.write_rows(codes, pages, slots, packed, kind)
     meta[pages, slots] = torch.cat([scale, minimum], dim=-1)
@@ -100,33 +114,32 @@ def _row_spans(geo: CacheGeometry, pos: torch.Tensor, block_table: torch.Tensor)
             raise CacheCapacityError(f"oscar: row {b}: position {last} is past the end of the cache; {_capacity_text(geo)}")
         if not torch.equal(p, torch.arange(first, last + 1, dtype=p.dtype, device=p.device)):
             raise ValueError(f"oscar: positions of row {b} must be consecutive, got {p.tolist()[:16]}")
-        newest_quantized = last - geo.window - geo.num_sinks  # quantized index of the last page token
-        if newest_quantized >= 0 and not geo.drops_evicted:
-            lo = max(0, first - geo.window - geo.num_sinks)
-            _page_slots(geo, block_table, b, torch.arange(lo, newest_quantized + 1, device=p.device))
+        lo, hi = geo.quantized_len(first), geo.quantized_len(last + 1)  # page tokens before and after the call
+        if hi > lo and not geo.drops_evicted:
+            _page_slots(geo, block_table, b, torch.arange(lo, hi, device=p.device))
         spans.append((b, valid, p))
     return spans
 
 
 def _store_side(geo, x_t, spans, codes, meta, sink, ring, block_table, clip, kind):
     """Write one side (keys or values) of every row. ``x_t``: ``[B, T, H, d]`` in cache dtype."""
-    s, w = geo.num_sinks, geo.window
+    s, ring_len = geo.num_sinks, geo.window
     for b, valid, p in spans:
         x = x_t[b][valid]
         first, new_len = int(p[0]), int(p[-1]) + 1
-        # 1. Ring tokens written by earlier calls that leave the window now: quantize them first.
-        evict_lo, evict_hi = max(s, first - w), min(first, new_len - w)
-        if w > 0 and evict_hi > evict_lo:
-            old = torch.arange(evict_lo, evict_hi, device=p.device)
-            _write_pages(geo, codes, meta, block_table, b, old - s, ring[b, old % w].float(), clip, kind)
-        # 2. This call's tokens, each to its final region.
+        # Positions s + lo .. s + hi - 1 enter the pages now: those before `first` leave the ring (earlier calls
+        # wrote them), the rest come from this call. Quantized together, so a per-channel page sees all its tokens.
+        lo, hi = geo.quantized_len(first), geo.quantized_len(new_len)
+        in_page = (p >= s) & (p < s + hi)
+        if hi > lo:
+            old = torch.arange(s + lo, max(s + lo, min(first, s + hi)), device=p.device)
+            rows = torch.cat([ring[b, old % ring_len].float(), x[in_page].float()]) if ring_len else x[in_page].float()
+            _write_pages(geo, codes, meta, block_table, b, torch.arange(lo, hi, device=p.device), rows, clip, kind)
         in_sink = p < s
-        in_page = (p >= s) & (p < new_len - w)
         in_ring = (p >= s) & ~in_page
         sink[b, p[in_sink]] = x[in_sink]
-        _write_pages(geo, codes, meta, block_table, b, p[in_page] - s, x[in_page].float(), clip, kind)
-        if w > 0:
-            ring[b, p[in_ring] % w] = x[in_ring]
+        if ring_len > 0:
+            ring[b, p[in_ring] % ring_len] = x[in_ring]
 
 
 def store_reference(
