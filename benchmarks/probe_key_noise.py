@@ -7,6 +7,8 @@ window) in the artifact's basis, exact and with the keys quantized in several fo
 * ``row``: the cache's format, one (scale, min) per token over ``g`` channels (``row g32``: groups of 32), with the
   artifact's clip ratio;
 * ``chan tN``: one (scale, min) per channel over N consecutive tokens (KIVI's axis, here in OSCAR's basis).
+* ``chan t32 eig`` / ``chan t32 raw``: the same over 32 tokens in the artifact's basis without its final Hadamard (the
+  scaled eigenbasis) and in the raw centred keys (KIVI's basis): which basis per-channel keys want.
 
 Reported: the standard deviation of the score error (softmax units: scale included), how often the INT2 region's
 best key stays the best (a proxy for finding a needle), and the INT2 region's share of the attention with exact
