@@ -216,3 +216,26 @@ def test_backend_with_channel_keys_equals_the_ops_called_directly():
         model.config._attn_implementation = "sdpa"
     torch.testing.assert_close(runs["channel"], ref, rtol=1e-4, atol=1e-4)  # same ops; fp32 summation order differs
     assert rel_error(runs["channel"], runs["token"]) > 1e-3
+
+
+@pytest.mark.gpu
+def test_cuda_falls_back_to_the_reference_for_channel_keys():
+    """On CUDA the Triton kernels take per-token metadata only: a per-channel cache must run the reference there
+    and give what the CPU gives (same ops, float32 cache; summation order differs)."""
+    gen = torch.Generator().manual_seed(4)
+    h, d, n = 2, 64, 90
+    outs = []
+    for device in ("cpu", "cuda"):
+        cache = _cache(h, d, batch=2, max_len=128, sinks=4, window=16, page=32, device=device)
+        cache.set_transforms(0, random_transforms(h, d, "orthogonal", torch.Generator().manual_seed(0)))
+        for row in range(2):
+            cache.allocate(row, n + 1)
+        k, v = (torch.randn(2, h, n, d, generator=gen).to(device) for _ in range(2))
+        cache.store(0, k, v, torch.arange(n, device=device))
+        q = torch.randn(2, 2 * h, 1, d, generator=gen).to(device)
+        k1, v1 = (torch.randn(2, h, 1, d, generator=gen).to(device) for _ in range(2))
+        step = torch.full((2, 1), n, device=device)
+        cache.store(0, k1, v1, step)
+        outs.append(cache.attention(0, q, step).cpu())
+        gen = torch.Generator().manual_seed(4)  # the same data on both devices
+    assert rel_error(outs[1], outs[0]) < 1e-4
