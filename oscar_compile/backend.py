@@ -460,6 +460,12 @@ def _ring_is_smaller(o: BackendOptions, heads: int, d: int, dtype: torch.dtype, 
     ring = row_bytes(heads, d, min(sliding + o.max_chunk - 1, max_len), 0, group, dtype, o.meta_dtype)
     if not o.quantize:
         return ring < row_bytes(heads, d, max_len, 0, group, dtype, o.meta_dtype)
+    if o.key_format == "channel":  # whole pages only, a ring longer by the page being filled, keys per channel
+        pages = max(0, max_len - o.num_sinks - o.window) // o.page_size * o.page_size
+        bf16 = o.num_sinks + o.window + o.page_size - 1
+        int2 = (row_bytes(heads, d, bf16, pages, group, dtype, o.meta_dtype)
+                + row_bytes(heads, d, bf16, pages, group, dtype, o.meta_dtype, channel_page=o.page_size))
+        return 2 * ring < int2
     pages = -(-max(0, max_len - o.num_sinks - o.window) // o.page_size) * o.page_size
     return ring < row_bytes(heads, d, o.num_sinks + o.window, pages, group, dtype, o.meta_dtype)
 

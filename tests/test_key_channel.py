@@ -239,3 +239,18 @@ def test_cuda_falls_back_to_the_reference_for_channel_keys():
         outs.append(cache.attention(0, q, step).cpu())
         gen = torch.Generator().manual_seed(4)  # the same data on both devices
     assert rel_error(outs[1], outs[0]) < 1e-4
+
+
+def test_smallest_sliding_storage_counts_channel_key_bytes():
+    """``sliding_storage="smallest"`` compares a sliding layer's ring with the INT2 storage it would otherwise get:
+    with per-channel keys that is whole pages, a ring longer by a page, and one scale and minimum per channel."""
+    from oscar_compile.backend import BackendOptions, _ring_is_smaller
+    from oscar_compile.cache import row_bytes
+
+    o = BackendOptions(key_format="channel", page_size=32, window=256, num_sinks=64, max_chunk=4096)
+    h, d, bf = 1, 256, torch.bfloat16
+    for max_len in (2048, 8192, 32768, 131072):
+        cache = PagedInt2KVCache(1, h, d, max_seq_len=max_len, page_size=32, key_format="channel", device="meta")
+        int2 = cache.memory_report(max_len).int2_bytes  # keys and values of one row, as the cache counts them
+        ring = 2 * row_bytes(h, d, min(512 + 4095, max_len), 0, d, bf, torch.float16)
+        assert _ring_is_smaller(o, h, d, bf, 512, max_len, None) == (ring < int2)
