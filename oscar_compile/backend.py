@@ -460,14 +460,11 @@ def _ring_is_smaller(o: BackendOptions, heads: int, d: int, dtype: torch.dtype, 
     ring = row_bytes(heads, d, min(sliding + o.max_chunk - 1, max_len), 0, group, dtype, o.meta_dtype)
     if not o.quantize:
         return ring < row_bytes(heads, d, max_len, 0, group, dtype, o.meta_dtype)
-    if o.key_format == "channel":  # whole pages only, a ring longer by the page being filled, keys per channel
-        pages = max(0, max_len - o.num_sinks - o.window) // o.page_size * o.page_size
-        bf16 = o.num_sinks + o.window + o.page_size - 1
-        int2 = (row_bytes(heads, d, bf16, pages, group, dtype, o.meta_dtype)
-                + row_bytes(heads, d, bf16, pages, group, dtype, o.meta_dtype, channel_page=o.page_size))
-        return 2 * ring < int2
-    pages = -(-max(0, max_len - o.num_sinks - o.window) // o.page_size) * o.page_size
-    return ring < row_bytes(heads, d, o.num_sinks + o.window, pages, group, dtype, o.meta_dtype)
+    # the INT2 storage as the cache counts it (keys and values: its ring, whole pages for per-channel keys)
+    int2 = PagedInt2KVCache(1, heads, d, max_seq_len=max_len, page_size=o.page_size, num_sinks=o.num_sinks,
+                            window=o.window, group_size=group, key_format=o.key_format, dtype=dtype,
+                            meta_dtype=o.meta_dtype, device="meta")
+    return 2 * ring < int2.memory_report(max_len).int2_bytes
 
 
 def compile(model, artifacts=None, *, fullgraph: bool = False, mode: str | None = None, dynamic=None,

@@ -23,12 +23,12 @@ here on the host (:meth:`allocate`, :meth:`release`); the ops only read the bloc
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
 
 from . import ops
+from .kernels.checks import quantized_len
 from .kernels.store import CacheCapacityError
 from .quant import bits_per_element, channel_bits_per_element, hadamard_matrix
 
@@ -318,11 +318,7 @@ class PagedInt2KVCache:
     # ---------------------------------------------------------------- pages
     def pages_for(self, length: int) -> int:
         """Pages a row of ``length`` tokens owns (none in a sliding-window layer)."""
-        if self.sliding_window:
-            return 0
-        if self.key_format == "channel":  # whole pages only: a page is written when its last token leaves the window
-            return max(0, length - self.num_sinks - self.window) // self.page_size
-        return math.ceil(max(0, length - self.num_sinks - self.window) / self.page_size)
+        return -(-self.quantized_tokens(length) // self.page_size)  # per-channel keys: whole pages only
 
     @property
     def capacity_tokens(self) -> int:
@@ -333,11 +329,11 @@ class PagedInt2KVCache:
         return self.num_sinks + self.ring_len + self.max_pages * self.page_size
 
     def quantized_tokens(self, length: int) -> int:
-        """Tokens of a row of ``length`` held in INT2 pages (the ring holds the rest after the sinks)."""
-        if self.sliding_window or not self.quantize:
+        """Tokens of a row of ``length`` held in INT2 pages (the ring holds the rest after the sinks; a page is
+        written whole when keys go per channel). None in a sliding-window layer, which drops what leaves its ring."""
+        if self.sliding_window:
             return 0
-        n = max(0, length - self.num_sinks - self.window)
-        return n // self.page_size * self.page_size if self.key_format == "channel" else n
+        return quantized_len(length, self.num_sinks, self.window, self.page_size if self.key_format == "channel" else 1)
 
     def _take_pages(self, row: int, count: int) -> None:
         have = len(self._row_pages[row])

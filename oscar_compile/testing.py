@@ -125,6 +125,27 @@ class CacheOracle:
         return o.reshape(hq, t, d)
 
 
+def decode_against_oracle(cache: PagedInt2KVCache, oracle: CacheOracle, lengths: list[int], steps: int, q_heads: int,
+                          scale: float, gen: torch.Generator, key_offset: float = 0.0) -> tuple[list[int], float]:
+    """``steps`` decode steps on every row of layer 0 (random ``k + key_offset``, ``v``, ``q`` drawn in that
+    order), through the cache's ops and the oracle. Returns the rows' new lengths and the worst relative error."""
+    b, h, d = len(lengths), cache.num_kv_heads, cache.head_dim
+    worst = 0.0
+    for _ in range(steps):
+        pos = torch.tensor(lengths)[:, None]
+        for row, n in enumerate(lengths):
+            cache.allocate(row, n + 1)
+        k, v = torch.randn(b, h, 1, d, generator=gen) + key_offset, torch.randn(b, h, 1, d, generator=gen)
+        q = torch.randn(b, q_heads, 1, d, generator=gen)
+        cache.store(0, k, v, pos)
+        out = cache.attention(0, q, pos, scale=scale)
+        oracle.append_batch(k, v, [1] * b)
+        for row in range(b):
+            worst = max(worst, rel_error(out[row], oracle.attention(row, q[row], pos[row], scale)))
+        lengths = [n + 1 for n in lengths]
+    return lengths, worst
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     ref = ref.double()
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()

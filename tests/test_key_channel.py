@@ -12,7 +12,7 @@ import oscar_compile  # noqa: F401  (registers torch.ops.oscar)
 from oscar_compile import CacheCapacityError, PagedInt2KVCache
 from oscar_compile.kernels.checks import is_channel_key_meta
 from oscar_compile.quant import dequantize_int2, quantize_int2_channels
-from oscar_compile.testing import CacheOracle, random_transforms, rel_error
+from oscar_compile.testing import CacheOracle, decode_against_oracle, random_transforms, rel_error
 
 
 def _cache(h=2, d=64, batch=3, max_len=200, sinks=5, window=12, page=8, **kw):
@@ -60,19 +60,7 @@ def test_attention_matches_float64_oracle_over_prefill_and_decode(gqa, kind):
     for row, n in enumerate(prefill):
         assert rel_error(out[row, :, :n], oracle.attention(row, q[row, :, :n], torch.arange(n), scale)) < 1e-4
         assert rel_error(exact[row, :, :n], oracle.attention(row, q[row, :, :n], torch.arange(n), scale, chunk=n)) < 1e-4
-    lengths, worst = list(prefill), 0.0
-    for _ in range(100):
-        pos = torch.tensor(lengths)[:, None]
-        for row, n in enumerate(lengths):
-            cache.allocate(row, n + 1)
-        k, v = torch.randn(3, h, 1, d, generator=gen) + 2, torch.randn(3, h, 1, d, generator=gen)
-        q = torch.randn(3, h * gqa, 1, d, generator=gen)
-        cache.store(0, k, v, pos)
-        out = cache.attention(0, q, pos, scale=scale)
-        oracle.append_batch(k, v, [1, 1, 1])
-        for row in range(3):
-            worst = max(worst, rel_error(out[row], oracle.attention(row, q[row], pos[row], scale)))
-        lengths = [n + 1 for n in lengths]
+    lengths, worst = decode_against_oracle(cache, oracle, list(prefill), 100, h * gqa, scale, gen, key_offset=2.0)
     assert min(lengths) > 5 + 12 + 3 * 8  # every row wrote several pages
     assert worst < 1e-4, worst
 

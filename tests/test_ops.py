@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 import oscar_compile  # noqa: F401  (registers torch.ops.oscar)
 from oscar_compile import PagedInt2KVCache
-from oscar_compile.testing import CacheOracle, random_transforms, rel_error
+from oscar_compile.testing import CacheOracle, decode_against_oracle, random_transforms, rel_error
 
 
 def _filled_cache(gen, h=2, d=16, lengths=(21, 9), **kw):
@@ -74,20 +74,7 @@ def test_attention_matches_float64_oracle_over_prefill_and_300_decode_steps(d, g
         assert rel_error(exact[row, :, :n], ref_exact) < 1e-3
         assert (out[row, :, n:] == 0).all() and (exact[row, :, n:] == 0).all()  # padding queries
     assert rel_error(exact, out) > 1e-3  # the chunk really was read differently
-    lengths = list(prefill)
-    worst = 0.0
-    for _ in range(steps):
-        pos = torch.tensor(lengths)[:, None]
-        for row, n in enumerate(lengths):
-            cache.allocate(row, n + 1)
-        k, v = torch.randn(3, h, 1, d, generator=gen), torch.randn(3, h, 1, d, generator=gen)
-        q = torch.randn(3, h * gqa, 1, d, generator=gen)
-        cache.store(0, k, v, pos)
-        out = cache.attention(0, q, pos, scale=scale)
-        oracle.append_batch(k, v, [1, 1, 1])
-        for row in range(3):
-            worst = max(worst, rel_error(out[row], oracle.attention(row, q[row], pos[row], scale)))
-        lengths = [n + 1 for n in lengths]
+    lengths, worst = decode_against_oracle(cache, oracle, list(prefill), steps, h * gqa, scale, gen)
     assert min(lengths) > s + w + ps  # every row crossed from ring into several pages
     assert worst < 1e-3, worst
 

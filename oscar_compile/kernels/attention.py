@@ -60,7 +60,7 @@ def gather_history(
         pages = block_table[:nb, :n_pages].long().clamp(min=0)  # [B, P]; unowned -> masked below
         meta_rows = meta[pages].float()  # [B, P, ps, H, 2 groups] ([B, P, 1, H, 2d] for per-channel keys)
         deq = dequantize_codes(fragment_order.read_page_codes(codes, pages, kind), *meta_rows.chunk(2, dim=-1),
-                               group_size=1 if meta_rows.shape[2] != ps else geo.group_size).flatten(1, 2)[:, :n_quantized]
+                               group_size=1 if kind == "k" and geo.key_channel else geo.group_size).flatten(1, 2)[:, :n_quantized]
         out[:, s:s + deq.shape[1]] = deq
         # positions before every row's window read pages; from there on, a row's window reads its ring
         ring_from = s + geo.quantized_len(shortest)

@@ -45,12 +45,8 @@ class CacheGeometry:
         return self.window - self.flush + 1
 
     def quantized_len(self, length):
-        """Page tokens (quantized indices ``0 .. n - 1``) of a row holding ``length`` tokens (an int or a tensor):
-        every position before the last ``evict_window`` (after the sinks), rounded down to whole pages when keys
-        go per channel. The ring holds positions ``num_sinks + n .. length - 1``."""
-        n = length - self.num_sinks - self.evict_window
-        n = n.clamp(min=0) if isinstance(n, torch.Tensor) else max(0, n)
-        return n // self.flush * self.flush
+        """Page tokens of a row holding ``length`` tokens (an int or a tensor): see :func:`quantized_len`."""
+        return quantized_len(length, self.num_sinks, self.evict_window, self.flush)
 
     @property
     def drops_evicted(self) -> bool:
@@ -64,6 +60,16 @@ class CacheGeometry:
         if self.drops_evicted:
             return UNBOUNDED
         return self.num_sinks + self.window + self.max_pages * self.page_size  # the ring's length, not evict_window
+
+
+def quantized_len(length, num_sinks: int, window: int, flush: int):
+    """Page tokens (quantized indices ``0 .. n - 1``) of a row holding ``length`` tokens (an int or a tensor):
+    every position before the last ``window`` (after the sinks), rounded down to a multiple of ``flush`` (a whole
+    page for per-channel keys, else 1). The ring holds positions ``num_sinks + n .. length - 1``. The one rule for
+    where the pages end: the ops (through :class:`CacheGeometry`) and the host cache both use it."""
+    n = length - num_sinks - window
+    n = n.clamp(min=0) if isinstance(n, torch.Tensor) else max(0, n)
+    return n // flush * flush
 
 
 UNBOUNDED = 2**62  # positions of a cache that drops what leaves its ring never run out
@@ -88,7 +94,7 @@ def check_cache(k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring
         if not t.is_floating_point():
             _fail(f"{name} must be floating point (scale, min), got {t.dtype}", TypeError)
         if name == "k_meta" and key_channel:
-            if t.dim() != 4 or tuple(t.shape) != (num_pages, 1, h, 2 * d):
+            if tuple(t.shape) != (num_pages, 1, h, 2 * d):
                 _fail(f"k_meta of per-channel keys must be [{num_pages}, 1, {h}, {2 * d}], got {tuple(t.shape)}")
             continue
         if t.dim() != 4 or tuple(t.shape[:3]) != (num_pages, page_size, h) or t.shape[3] % 2:
