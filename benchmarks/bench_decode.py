@@ -152,28 +152,34 @@ def fill_random_int2(cache, seed: int = 0) -> None:
         for codes in (layer.k_codes, layer.v_codes):
             codes.copy_(torch.randint(0, 256, codes.shape, device=cache.device, generator=g, dtype=torch.int32).to(torch.uint8))
         for meta in (layer.k_meta, layer.v_meta):
-            meta[..., 0].uniform_(0.01, 0.2, generator=g)
-            meta[..., 1].normal_(0, 0.3, generator=g)
+            half = meta.shape[-1] // 2  # (scales, minimums): per group of a token, or per channel of a page
+            meta[..., :half].uniform_(0.01, 0.2, generator=g)
+            meta[..., half:].normal_(0, 0.3, generator=g)
         for t in (layer.k_sink, layer.v_sink, layer.k_ring, layer.v_ring):
             t.normal_(generator=g)
 
 
-def int2_cache(b, length, device, sinks=64, window=256, page=16):
+def int2_cache(b, length, device, sinks=64, window=256, page=16, key_format="token"):
     from oscar_compile import LayerTransforms, PagedInt2KVCache
     from oscar_compile.testing import random_orthogonal
 
     cache = PagedInt2KVCache(1, HKV, D, max_batch_size=b, max_seq_len=length, num_sinks=sinks, window=window,
-                             page_size=page, identity_block_table=True, dtype=torch.bfloat16, device=device)
+                             page_size=page, identity_block_table=True, dtype=torch.bfloat16, device=device,
+                             key_format=key_format)
     fill_random_int2(cache)
     rot = random_orthogonal(HKV, D, torch.Generator().manual_seed(0))
     cache.set_transforms(0, LayerTransforms.from_matrices(rot, rot))
     return cache
 
 
-def int2_bytes(b, length, sinks=64, window=256):
-    quantized = max(0, length - sinks - window)
-    kv = 2 * b * HKV * (quantized * (D // 4 + 4) + min(length, sinks + window) * D * 2)
-    return kv + 2 * b * HQ * D * 2  # + query read + output written
+def int2_bytes(b, length, sinks=64, window=256, page=16, key_format="token"):
+    from oscar_compile.kernels.checks import quantized_len
+
+    flush = page if key_format == "channel" else 1
+    quantized = quantized_len(length, sinks, window, flush)  # whole pages with per-channel keys
+    key_meta = 4 * D / page if key_format == "channel" else 4  # fp16 (scale, min) per channel and page, or per token
+    kv = b * HKV * (quantized * (2 * (D // 4) + key_meta + 4) + (length - quantized) * 2 * D * 2)
+    return int(kv) + 2 * b * HQ * D * 2  # + query read + output written
 
 
 def bf16_bytes(b, length):
@@ -181,7 +187,7 @@ def bf16_bytes(b, length):
 
 
 def bench_shape(b, length, device, sweep: bool, ablations: bool = False, profile: bool = False, extra=(),
-                as_model: bool = False):
+                as_model: bool = False, key_formats=("token",), channel_page: int = 32):
     from oscar_compile.kernels.triton_attention import attention_triton
 
     q = torch.randn(b, HQ, 1, D, device=device, dtype=torch.bfloat16)
@@ -191,7 +197,22 @@ def bench_shape(b, length, device, sweep: bool, ablations: bool = False, profile
     fastest = min((n for n in t_backends if not math.isnan(t_backends[n])), key=t_backends.__getitem__)
     t_sdpa = t_backends[fastest]
     del k, v
-    cache = int2_cache(b, length, device)
+    rows = []
+    for key_format in key_formats:
+        page = channel_page if key_format == "channel" else 16
+        r = _bench_int2(b, length, device, q, t_backends, fastest, sweep, ablations, profile, extra, as_model,
+                        key_format, page)
+        rows.append(r)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _bench_int2(b, length, device, q, t_backends, fastest, sweep, ablations, profile, extra, as_model, key_format,
+                page):
+    from oscar_compile.kernels.triton_attention import attention_triton
+
+    t_sdpa = t_backends[fastest]
+    cache = int2_cache(b, length, device, page=page, key_format=key_format)
     pos = torch.full((b, 1), length - 1, device=device, dtype=torch.long)
     lens = torch.full((b,), length, device=device, dtype=torch.long)
     # as_model: what the rewritten graph of a model passes (gpt-fast, transformers' generate): a bool [1, 1, 1, L]
@@ -237,10 +258,10 @@ def bench_shape(b, length, device, sweep: bool, ablations: bool = False, profile
     kstats = {name: {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
                      "shared": getattr(getattr(k, "metadata", None), "shared", None)}
               for name, k in triton_attention.LAST_LAUNCH.items() if name not in ("plan", "dense_chunk", "dense_pages")}
-    nb_int2, nb_bf16 = int2_bytes(b, length), bf16_bytes(b, length)
+    nb_int2, nb_bf16 = int2_bytes(b, length, page=page, key_format=key_format), bf16_bytes(b, length)
     breakdown = profile_both(q, b, length, device, lambda: attention_triton(*args), fastest) if profile else None
     return {
-        "batch": b, "context": length, "bf16_sdpa_us": t_sdpa, "bf16_fastest_backend": fastest,
+        "batch": b, "context": length, "key_format": key_format, "page_size": page, "bf16_sdpa_us": t_sdpa, "bf16_fastest_backend": fastest,
         "bf16_sdpa_backends_us": t_backends, "int2_us": t_int2, "int2_eager_us": t_eager, "int2_best_us": t_best,
         "int2_best_config": best_cfg, "default_splits": base_splits, "bf16_bytes": nb_bf16, "int2_bytes": nb_int2,
         "bf16_tbps": nb_bf16 / t_sdpa / 1e6, "int2_tbps": nb_int2 / t_int2 / 1e6,
@@ -252,25 +273,33 @@ def bench_shape(b, length, device, sweep: bool, ablations: bool = False, profile
     }
 
 
-def bench_store(device):
+def bench_store(device, key_formats=("token",), channel_page: int = 32):
     from oscar_compile.kernels.triton_store import store_triton
 
     rows = []
-    for b in (1, 32, 64, 93, 319):  # 93 and 319: the largest batches of a 60 GB budget at 32K and 8K
-        cache = int2_cache(b, 4096, device)
-        tr = cache.transforms[0]
-        k = torch.randn(b, HKV, 1, D, device=device, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        pos = torch.full((b, 1), 4000, device=device, dtype=torch.long)
-        tr.key_clip, tr.value_clip = 0.96, 0.92  # clipping on: the store's slowest path
-        args = cache.store_args(0, k, v, pos)
-        store_triton(*args)
-        from oscar_compile.kernels import triton_store
+    for key_format in key_formats:
+        page = channel_page if key_format == "channel" else 16
+        # per-channel keys write a page every `page` steps: time a step that completes one and a step that does not
+        # (position 3999 completes a page with 64 sinks + 256 window at pages of 16, 32 or 64)
+        steps = (4000, 3999) if key_format == "channel" else (4000,)
+        for b in (1, 32, 64, 93, 319):  # 93 and 319: the largest batches of a 60 GB budget at 32K and 8K
+            for p in steps:
+                cache = int2_cache(b, 4096, device, page=page, key_format=key_format)
+                tr = cache.transforms[0]
+                k = torch.randn(b, HKV, 1, D, device=device, dtype=torch.bfloat16)
+                v = torch.randn_like(k)
+                pos = torch.full((b, 1), p, device=device, dtype=torch.long)
+                tr.key_clip, tr.value_clip = 0.96, 0.92  # clipping on: the store's slowest path
+                args = cache.store_args(0, k, v, pos)
+                store_triton(*args)
+                from oscar_compile.kernels import triton_store
 
-        k = triton_store.LAST_LAUNCH["store"]
-        rows.append({"batch": b, "store_us": bench_graph(lambda: store_triton(*args)),
-                     "store_eager_us": _bench(lambda: store_triton(*args)), "n_regs": getattr(k, "n_regs", None),
-                     "n_spills": getattr(k, "n_spills", None)})
+                k = triton_store.LAST_LAUNCH["store"]
+                rows.append({"batch": b, "key_format": key_format, "page_size": page, "position": p,
+                             "completes_page": key_format == "channel" and (p + 1 - 64 - 256) % page == 0,
+                             "store_us": bench_graph(lambda: store_triton(*args)),
+                             "store_eager_us": _bench(lambda: store_triton(*args)),
+                             "n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None)})
     return rows
 
 
@@ -280,7 +309,8 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['batch']}x{r['context'] // 1024}K" for r in rows]
+    several = len({r.get("key_format", "token") for r in rows}) > 1
+    labels = [f"{r['batch']}x{r['context'] // 1024}K" + (f"\n{r['key_format']}" if several else "") for r in rows]
     x = range(len(rows))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     ax1.bar([i - 0.2 for i in x], [r["bf16_sdpa_us"] for r in rows], 0.4, label="BF16 SDPA, fastest backend")
@@ -314,6 +344,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time from the profiler")
     ap.add_argument("--configs", default=None, help="extra kernel configs to time, JSON list of dicts")
     ap.add_argument("--no-store", action="store_true")
+    ap.add_argument("--key-formats", default="token", help="token, channel or token,channel (INT2 rows of each)")
+    ap.add_argument("--channel-page", type=int, default=32, help="page size of the per-channel key rows")
     ap.add_argument("--as-model", action="store_true",
                     help="INT2 calls as a model's rewritten graph makes them: a bool mask row (not is_causal), the chunk")
     args = ap.parse_args()
@@ -321,25 +353,37 @@ def main():
     shapes = SHAPES if not args.shapes else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     rows = []
     t0 = time.time()
+    key_formats = tuple(args.key_formats.split(","))
     for b, length in shapes:
-        r = bench_shape(b, length, device, args.sweep, args.ablations, args.profile,
-                        json.loads(args.configs) if args.configs else (), as_model=args.as_model)
-        rows.append(r)
-        print(f"{b:>3} x {length:>6}: BF16 SDPA " + " ".join(f"{n} {t:.1f}" for n, t in r["bf16_sdpa_backends_us"].items())
-              + f" us; fastest {r['bf16_fastest_backend']} {r['bf16_sdpa_us']:8.1f} us ({r['bf16_tbps']:.2f} TB/s) | INT2 "
-              f"{r['int2_us']:8.1f} us ({r['int2_tbps']:.2f} TB/s, {100 * r['int2_roofline_fraction']:.0f}% of roofline) "
-              f"| speedup {r['speedup']:.2f}x (bytes {r['byte_ratio']:.2f}x) | best {r['int2_best_us']:.1f} us "
-              f"{r['int2_best_config']} | eager {r['int2_eager_us']:.1f} us | regs/spills {r['kernels']}", flush=True)
-        if r["kernel_breakdown_us"]:
-            print("    per kernel (us):", {k: {n: round(t, 1) for n, t in v.items()} for k, v in r["kernel_breakdown_us"].items()})
-        if r["sweep"]:
-            print("   ", "; ".join(f"{c['config']}: {c['us']:.0f}" for c in r["sweep"]), flush=True)
+        for r in bench_shape(b, length, device, args.sweep, args.ablations, args.profile,
+                             json.loads(args.configs) if args.configs else (), as_model=args.as_model,
+                             key_formats=key_formats, channel_page=args.channel_page):
+            rows.append(r)
+            _print_row(r)
         torch.cuda.empty_cache()
-    store = [] if args.no_store else bench_store(device)
+    store = [] if args.no_store else bench_store(device, key_formats, args.channel_page)
     for s in store:
-        print(f"store kernel, batch {s['batch']:>3}, one decode token per layer: {s['store_us']:.1f} us "
+        print(f"store kernel, {s['key_format']} keys, batch {s['batch']:>3}, one decode token per layer at {s['position']}"
+              f"{' (completes a page)' if s['completes_page'] else ''}: {s['store_us']:.1f} us "
               f"(eager {s['store_eager_us']:.1f} us) "
               f"(regs {s['n_regs']}, spills {s['n_spills']})")
+    _write(args, rows, store, t0)
+
+
+def _print_row(r):
+    b, length = r["batch"], r["context"]
+    print(f"{b:>3} x {length:>6} {r['key_format']} keys: BF16 SDPA " + " ".join(f"{n} {t:.1f}" for n, t in r["bf16_sdpa_backends_us"].items())
+          + f" us; fastest {r['bf16_fastest_backend']} {r['bf16_sdpa_us']:8.1f} us ({r['bf16_tbps']:.2f} TB/s) | INT2 "
+          f"{r['int2_us']:8.1f} us ({r['int2_tbps']:.2f} TB/s, {100 * r['int2_roofline_fraction']:.0f}% of roofline) "
+          f"| speedup {r['speedup']:.2f}x (bytes {r['byte_ratio']:.2f}x) | best {r['int2_best_us']:.1f} us "
+          f"{r['int2_best_config']} | eager {r['int2_eager_us']:.1f} us | regs/spills {r['kernels']}", flush=True)
+    if r["kernel_breakdown_us"]:
+        print("    per kernel (us):", {k: {n: round(t, 1) for n, t in v.items()} for k, v in r["kernel_breakdown_us"].items()})
+    if r["sweep"]:
+        print("   ", "; ".join(f"{c['config']}: {c['us']:.0f}" for c in r["sweep"]), flush=True)
+
+
+def _write(args, rows, store, t0):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tbps": COPY_TBPS,

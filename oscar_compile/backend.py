@@ -108,7 +108,7 @@ class BackendOptions:
     # "token": keys quantized per token like values. "channel": keys per channel over each page's ``page_size``
     # tokens in the artifact's basis (2 + 32 / page_size bits; the ring grows by page_size - 1 tokens), which
     # kept needle retrieval from the INT2 pages where per-token keys lost it (PagedInt2KVCache's key_format).
-    # The PyTorch reference runs it on every device for now: no Triton kernel reads it yet.
+    # On CUDA the Triton kernels take it for pages of 16, 32, ... tokens (the reference serves smaller pages).
     key_format: str = "token"
 
 

@@ -142,15 +142,20 @@ def _attention_backward(ctx, grad):
 torch.library.register_autograd("oscar::attention", _attention_backward, setup_context=_attention_setup_context)
 
 
-def triton_supported(head_dim: int, num_groups: int) -> bool:
-    """Shapes the Triton kernels take (tl.dot needs d/4 >= 16; tl.arange needs powers of two)."""
+def triton_supported(head_dim: int, num_groups: int, channel_page: int = 0) -> bool:
+    """Shapes the Triton kernels take (tl.dot needs d/4 >= 16; tl.arange needs powers of two). ``channel_page``:
+    the page size of a cache with per-channel keys (0: per-token keys), whose pages must hold 16, 32, ... tokens."""
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
-    return head_dim in (64, 128, 256) and pow2(num_groups)
+    return head_dim in (64, 128, 256) and pow2(num_groups) and (channel_page == 0 or (channel_page >= 16 and pow2(channel_page)))
+
+
+def _channel_page(k_codes: Tensor, k_meta: Tensor) -> int:
+    return k_codes.shape[1] if is_channel_key_meta(k_codes, k_meta) else 0
 
 
 def _register_triton_kernels() -> bool:
-    """Make the Triton kernels the CUDA implementation of both ops (the reference stays the fallback: shapes the
-    kernels do not take, and per-channel keys, which have no kernel yet)."""
+    """Make the Triton kernels the CUDA implementation of both ops (the reference stays the fallback for shapes the
+    kernels do not take)."""
     import os
 
     if os.environ.get("OSCAR_KERNELS", "triton") == "reference":
@@ -173,7 +178,7 @@ def _register_triton_kernels() -> bool:
                     key_transform, key_mean, value_transform, value_mean, key_clip, value_clip):
         args = (k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
                 key_transform, key_mean, value_transform, value_mean, key_clip, value_clip)
-        if triton_store and triton_supported(k.shape[-1], v_meta.shape[-1] // 2) and not is_channel_key_meta(k_codes, k_meta):
+        if triton_store and triton_supported(k.shape[-1], v_meta.shape[-1] // 2, _channel_page(k_codes, k_meta)):
             return store_triton(*args)
         return store_reference(*args)
 
@@ -184,7 +189,7 @@ def _register_triton_kernels() -> bool:
         args = (q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
                 query_transform, output_transform, value_mean, attn_mask, is_causal, scale, k_chunk, v_chunk,
                 chunk_positions)
-        if triton_supported(q.shape[-1], v_meta.shape[-1] // 2) and not is_channel_key_meta(k_codes, k_meta):
+        if triton_supported(q.shape[-1], v_meta.shape[-1] // 2, _channel_page(k_codes, k_meta)):
             return attention_triton(*args)
         return attention_reference(*args)
 

@@ -32,7 +32,7 @@ STORE_POINTERS = {
     "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "first_ptr": "*i64", "last_ptr": "*i64",
     "ak_ptr": "*fp32", "muk_ptr": "*fp32", "av_ptr": "*fp32", "muv_ptr": "*fp32", "kout_ptr": "*bf16",
     "vout_ptr": "*bf16", "kc_ptr": "*u8", "km_ptr": "*fp16", "vc_ptr": "*u8", "vm_ptr": "*fp16", "ks_ptr": "*bf16",
-    "vs_ptr": "*bf16", "kr_ptr": "*bf16", "vr_ptr": "*bf16", "bt_ptr": "*i32",
+    "vs_ptr": "*bf16", "kr_ptr": "*bf16", "vr_ptr": "*bf16", "bt_ptr": "*i32", "tmap_ptr": "*i32",
 }
 
 
@@ -72,10 +72,10 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4, num_s
 
 def compile_attention(d=128, g=4, block_m=16, block_n=128, region=0, prefill=False, unpack="asm", ablate=0,
                       num_warps=4, num_stages=2, ng=1, mask_kind=0, maxnreg=None, causal=None, frag=True,
-                      mask_bounds=False):
+                      mask_bounds=False, kch=False, ps=16):
     from .triton_attention import _attn_kernel
 
-    const = dict(H=8, G=g, D=d, NG=ng, PS=16, HAS_RING=True, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=prefill if causal is None else causal,
+    const = dict(H=8, G=g, D=d, NG=ng, PS=ps, HAS_RING=True, KCH=kch, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=prefill if causal is None else causal,
                  MASK_KIND=mask_kind, HAS_CHUNK=prefill, DT=tl.float16, KC=min(d, 64), ALIGNED=True, ABLATE=ablate,
                  USE_ASM=unpack == "asm", REGION=region, FRAG=frag and d % 64 == 0, DENSE_CHUNK=prefill,
                  CDT=tl.bfloat16 if prefill else tl.float16, MASK_BOUNDS=mask_bounds)
@@ -96,11 +96,11 @@ def compile_prefill(d=128, g=4, block_m=64, mask_kind=0, causal=True, rows="*bf1
     return compile_sm90(_prefill_kernel, const, pointers, num_warps)
 
 
-def compile_gather(d=128, ng=1, frag=True):
+def compile_gather(d=128, ng=1, frag=True, kch=False):
     from .triton_attention import _gather_prefix_kernel
 
     return compile_sm90(_gather_prefix_kernel, dict(H=8, D=d, NG=ng, PS=16, BLOCK_N=32, HAS_CHUNK=True, ALIGNED=True,
-                                                    FRAG=frag and d % 64 == 0),
+                                                    FRAG=frag and d % 64 == 0, KCH=kch),
                         dict(ATTENTION_POINTERS, ko_ptr="*bf16", vo_ptr="*bf16"), 4)
 
 
@@ -120,12 +120,26 @@ def compile_query(d=128, g=4, block_m=16):
                         ATTENTION_POINTERS, num_stages=3)
 
 
-def compile_store(d=128, ng=1, clip=True, frag=True):
+def compile_store(d=128, ng=1, clip=True, frag=True, chunk_only=False):
     from .triton_store import _store_kernel
 
     return compile_sm90(_store_kernel, dict(PS=16, BLOCK_T=16, D=d, NG=ng, K_CLIP=clip, V_CLIP=clip, HAS_RING=True,
-                                            FRAG=frag and d % 64 == 0),
+                                            FRAG=frag and d % 64 == 0, CHUNK_ONLY=chunk_only),
                         STORE_POINTERS, num_warps=8 if d >= 256 else 4, num_stages=3)
+
+
+def compile_store_pages(d=128, ps=32, clip=True):
+    """Per-channel keys: the page flush and the ring write that follow the store's chunk launch."""
+    from .triton_store import _flush_pages_kernel
+
+    return compile_sm90(_flush_pages_kernel, dict(PS=ps, D=d, NG=1, V_CLIP=clip, FRAG=True), STORE_POINTERS,
+                        num_warps=8 if d * ps >= 8192 else 4)
+
+
+def compile_store_ring(d=128, ps=32):
+    from .triton_store import _ring_kernel
+
+    return compile_sm90(_ring_kernel, dict(PS=ps, BLOCK_T=16, D=d), STORE_POINTERS, num_warps=4)
 
 
 def compile_gluon_decode(d=128, g=4, mask_kind=1, causal=True, num_warps=None, tiles=None, subnormal=True,
@@ -159,6 +173,15 @@ def launch_variants(d: int) -> dict:
         f"query d={d}": lambda: compile_query(d=d, block_m=16),
         f"query prefill d={d}": lambda: compile_query(d=d, block_m=64),
         f"store d={d}": lambda: compile_store(d=d, clip=True),
+        # per-channel keys (key_format="channel", pages of 32): page region, gather, the store's three launches
+        f"decode pages, per-channel keys d={d}": lambda: compile_attention(d=d, block_m=16, block_n=32, region=0,
+                                                                            kch=True, ps=32),
+        f"prefill pages, per-channel keys d={d}": lambda: compile_attention(d=d, block_m=32, block_n=32, region=0,
+                                                                             prefill=True, kch=True, ps=32),
+        f"prefill gather, per-channel keys d={d}": lambda: compile_gather(d=d, kch=True),
+        f"store chunk, per-channel keys d={d}": lambda: compile_store(d=d, chunk_only=True),
+        f"store pages, per-channel keys d={d}": lambda: compile_store_pages(d=d),
+        f"store ring, per-channel keys d={d}": lambda: compile_store_ring(d=d),
         f"gluon decode d={d}": lambda: compile_gluon_decode(d=d),
         **({"gluon decode d=128, no mask, G=8": lambda: compile_gluon_decode(d=128, g=8, mask_kind=0, causal=False),
             "gluon decode d=128, 2 tiles": lambda: compile_gluon_decode(d=128, tiles=2),

@@ -85,6 +85,30 @@ def _page_of(bt_ptr, b, sbt_b, j, hi, S, PS: tl.constexpr):
 
 
 @triton.jit
+def _page_end(length, c0, S, W, PS: tl.constexpr, KCH: tl.constexpr):
+    """End of the INT2 keys a row reads, ``[S, page_end)``: its page tokens (:func:`checks.quantized_len`; ``W`` the
+    ring's length, whole pages with per-channel keys, ``KCH``), never past the chunk's first position ``c0``."""
+    if KCH:
+        q_end = S + tl.maximum(length - S - (W - PS + 1), 0) // PS * PS
+    else:
+        q_end = length - W
+    return tl.maximum(tl.minimum(q_end, c0), S)
+
+
+@triton.jit
+def _key_channels(km_ptr, bt_ptr, b, sbt_b, j0, hi, S, h, sm_p, sm_h, uperm, PS: tl.constexpr, D: tl.constexpr):
+    """Per-channel keys: the (scale, min) of the page holding keys ``j0 ..`` (a block never crosses a page), in the
+    unpacked channel order ``uperm``, fp32 ``[D]`` each (zeros past ``hi``)."""
+    ok = j0 < hi
+    page = tl.load(bt_ptr + b * sbt_b + tl.where(ok, j0 - S, 0) // PS, mask=ok, other=0).to(tl.int64)
+    base = km_ptr + tl.maximum(page, 0) * sm_p + h * sm_h
+    ok_d = (uperm * 0 + j0) < hi  # a vector mask: `vector & scalar bool` fails in Triton 3.9's interpreter
+    sc = tl.load(base + uperm, mask=ok_d, other=0.0).to(tl.float32)
+    mn = tl.load(base + D + uperm, mask=ok_d, other=0.0).to(tl.float32)
+    return sc, mn
+
+
+@triton.jit
 def _channel_of(u, D: tl.constexpr, FRAG: tl.constexpr):
     """True channel of unpacked position ``16 w + i`` (bit pair ``i`` of word ``w``, see :func:`_unpack_words`).
 
@@ -104,9 +128,10 @@ def _channel_of(u, D: tl.constexpr, FRAG: tl.constexpr):
 @triton.jit
 def _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page, j, hi, S, h, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
                      PS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
-                     ALIGNED: tl.constexpr, FRAG: tl.constexpr):
+                     ALIGNED: tl.constexpr, FRAG: tl.constexpr, KCH: tl.constexpr = False):
     """Packed codes (int32 words, ``[BLOCK_N, D/16]``) and metadata of keys ``j``: ``[BLOCK_N, 2]``
     (scale, min) for one group a row, else ``[BLOCK_N, D, 2]`` (each unpacked position's group's).
+    ``KCH`` (per-channel keys): the keys' metadata is the page's (:func:`_key_channels`); ``km`` is the values'.
 
     Fragment order (:mod:`.fragment_order`): a key owns 8 whole words of its 16-slot group (gathered);
     a value owns 16-bit halves of 16 words, two of which make one word here (``g = 2m`` low, ``2m + 1`` high).
@@ -136,15 +161,21 @@ def _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page, j, hi, S, h, sc_p, sc
         vw = tl.load(vc_ptr + rowoff[:, None] + w[None, :], mask=ok[:, None], other=0)
     if NG == 1:
         g2 = tl.arange(0, 2)
-        km = tl.load(km_ptr + metaoff[:, None] + g2[None, :], mask=ok[:, None], other=0.0)
         vm = tl.load(vm_ptr + metaoff[:, None] + g2[None, :], mask=ok[:, None], other=0.0)
+        if KCH:
+            km = vm
+        else:
+            km = tl.load(km_ptr + metaoff[:, None] + g2[None, :], mask=ok[:, None], other=0.0)
     else:
         grp = _channel_of(tl.arange(0, D), D, FRAG) // (D // NG)
         moff = metaoff[:, None] + grp[None, :]
-        km = tl.join(tl.load(km_ptr + moff, mask=ok[:, None], other=0.0),
-                     tl.load(km_ptr + moff + NG, mask=ok[:, None], other=0.0))
         vm = tl.join(tl.load(vm_ptr + moff, mask=ok[:, None], other=0.0),
                      tl.load(vm_ptr + moff + NG, mask=ok[:, None], other=0.0))
+        if KCH:
+            km = vm
+        else:
+            km = tl.join(tl.load(km_ptr + moff, mask=ok[:, None], other=0.0),
+                         tl.load(km_ptr + moff + NG, mask=ok[:, None], other=0.0))
     return kw, km, vw, vm
 
 
@@ -219,6 +250,17 @@ def _dequant_dot_keys(qq, qsum, kw, km, BLOCK_N: tl.constexpr, D: tl.constexpr, 
         x = codes.to(tl.float32) * sc + mn
         s = tl.dot(qq, tl.trans(x.to(DT)))
     return s
+
+
+@triton.jit
+def _dequant_dot_key_channels(qq, kw, sc, mn, BLOCK_N: tl.constexpr, D: tl.constexpr, DT: tl.constexpr,
+                              USE_ASM: tl.constexpr):
+    """Scores for a block of one page's per-channel INT2 keys: ``q'.k_hat = (q' * scale) . c + q' . min`` (the
+    page's scale folded into the query, once a block, so the inner product stays one ``tl.dot`` on the codes)."""
+    codes = _unpack_words(kw, BLOCK_N, D, DT, USE_ASM)
+    qf = qq.to(tl.float32)
+    s = tl.dot((qf * sc[None, :]).to(DT), tl.trans(codes))
+    return s + tl.sum(qf * mn[None, :], 1)[:, None]
 
 
 @triton.jit
@@ -355,12 +397,13 @@ def _attn_kernel(
     sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
     mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
     part_m_ptr, part_l_ptr, part_o_ptr,
-    M_TOTAL, keys_per_split, bf16_per_split, S, W, NSPLIT, NS, mb_ptr, smb_b,
+    M_TOTAL, keys_per_split, bf16_per_split, S, W, NSPLIT, NS, mb_ptr, smb_b, skm_p, skm_h,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, PS: tl.constexpr, HAS_RING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_CHUNK: tl.constexpr, DT: tl.constexpr, KC: tl.constexpr, ALIGNED: tl.constexpr, ABLATE: tl.constexpr,
     USE_ASM: tl.constexpr, REGION: tl.constexpr, FRAG: tl.constexpr, DENSE_CHUNK: tl.constexpr = False,
     CDT: tl.constexpr = tl.float16, SKIP_EMPTY: tl.constexpr = True, MASK_BOUNDS: tl.constexpr = False,
+    KCH: tl.constexpr = False,
 ):
     """One split of one row block: REGION 0 = INT2 pages (splits ``0 .. NSPLIT-1``), 1 = BF16 keys
     (splits ``NSPLIT ..``). Two launches, so each region's code gets registers of its own.
@@ -370,7 +413,7 @@ def _attn_kernel(
     split = tl.program_id(2) + REGION * NSPLIT if REGION < 2 else NS - 1  # REGION 2 (the chunk): the last state
     b, h, r, row_ok, row_t, row_hq, row_pos, length, c0, c_end = _row_block(
         pid_bh, tl.program_id(1), pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, cend_ptr, M_TOTAL, H, G, BLOCK_M, HAS_CHUNK)
-    page_end = tl.maximum(tl.minimum(length - W, c0), S)  # INT2 keys: [S, page_end)
+    page_end = _page_end(length, c0, S, W, PS, KCH)  # INT2 keys: [S, page_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -392,18 +435,26 @@ def _attn_kernel(
         lo = S + split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, page_end)
         page_n = _page_of(bt_ptr, b, sbt_b, lo + nblk, hi, S, PS)
+        # value metadata strides: with per-channel keys (KCH) k_meta has a layout of its own (skm_p, skm_h)
         kw, km, vw, vm = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page_n, lo + nblk, hi, S, h,
-                                          sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N, D, NG, ALIGNED, FRAG)
+                                          sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N, D, NG, ALIGNED, FRAG, KCH)
+        if KCH:  # the page's key scales and minimums, one block ahead like the codes
+            ksc, kmn = _key_channels(km_ptr, bt_ptr, b, sbt_b, lo, hi, S, h, skm_p, skm_h, uperm, PS, D)
         page_n = _page_of(bt_ptr, b, sbt_b, lo + BLOCK_N + nblk, hi, S, PS)
         for j0 in range(lo, hi, BLOCK_N):
             kw_n, km_n, vw_n, vm_n = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page_n, j0 + BLOCK_N + nblk,
                                                       hi, S, h, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N,
-                                                      D, NG, ALIGNED, FRAG)
+                                                      D, NG, ALIGNED, FRAG, KCH)
+            if KCH:
+                ksc_n, kmn_n = _key_channels(km_ptr, bt_ptr, b, sbt_b, j0 + BLOCK_N, hi, S, h, skm_p, skm_h, uperm,
+                                             PS, D)
             page_n = _page_of(bt_ptr, b, sbt_b, j0 + 2 * BLOCK_N + nblk, hi, S, PS)
             j = j0 + nblk
             key_ok = j < hi
             if ABLATE == 2 or ABLATE == 4:  # no key unpacking and dot (4: nothing but the loads)
                 s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum((kw & 1).to(tl.float32), 1)[None, :]
+            elif KCH:
+                s = _dequant_dot_key_channels(qq, kw, ksc, kmn, BLOCK_N, D, DT, USE_ASM)
             else:
                 s = _dequant_dot_keys(qq, qsum, kw, km, BLOCK_N, D, NG, DT, USE_ASM)
             s = _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
@@ -417,6 +468,8 @@ def _attn_kernel(
                 acc = _dequant_dot_values(p, vw, vm, acc, BLOCK_N, D, NG, DT, USE_ASM)
             m_i = m_new
             kw, km, vw, vm = kw_n, km_n, vw_n, vm_n
+            if KCH:
+                ksc, kmn = ksc_n, kmn_n
     elif REGION == 2:
         # ---------------- the chunk's own keys [max(c0, S), c_end) (prefill; sink positions inside the chunk are read
         # by REGION 1): contiguous rows, the flash-attention loop of _flash_rows
@@ -662,19 +715,20 @@ def _mask_block(n: int) -> int:
 @triton.jit(do_not_specialize=["sbt_b", "S", "W", "P"])
 def _gather_prefix_kernel(len_ptr, sl_b, c0_ptr, kc_ptr, km_ptr, vc_ptr, vm_ptr, ks_ptr, vs_ptr, kr_ptr, vr_ptr,
                           bt_ptr, sbt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
-                          ko_ptr, vo_ptr, so_b, so_t, so_h, S, W, P, H: tl.constexpr, D: tl.constexpr,
+                          ko_ptr, vo_ptr, so_b, so_t, so_h, S, W, P, skm_p, skm_h, H: tl.constexpr, D: tl.constexpr,
                           NG: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CHUNK: tl.constexpr,
-                          ALIGNED: tl.constexpr, FRAG: tl.constexpr):
+                          ALIGNED: tl.constexpr, FRAG: tl.constexpr, KCH: tl.constexpr = False):
     """The keys and values of row ``b``, KV head ``h`` before its chunk, ``[0, min(c0, L))``, as 16-bit rows
     ``[B, P, H, D]`` in channel order: sinks and ring rows copied, page rows dequantized (``min + code * scale`` in
-    fp32, as the page kernels compute them) and rounded once to the scratch's type."""
+    fp32, as the page kernels compute them) and rounded once to the scratch's type. ``sm_*``: the values' metadata
+    strides; ``skm_*`` the keys' where they are per channel (``KCH``: one (scale, min) per channel and page)."""
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     length = tl.load(len_ptr + b * sl_b).to(tl.int64)
     c0 = tl.load(c0_ptr + b).to(tl.int64) if HAS_CHUNK else length
     prefix_end = tl.minimum(tl.minimum(c0, length), P)
-    page_end = tl.maximum(tl.minimum(length - W, c0), S)
+    page_end = _page_end(length, c0, S, W, PS, KCH)
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if tl.program_id(1) * BLOCK_N < prefix_end:
         dcol = tl.arange(0, D)
@@ -685,9 +739,15 @@ def _gather_prefix_kernel(len_ptr, sl_b, c0_ptr, kc_ptr, km_ptr, vc_ptr, vm_ptr,
             page = _page_of(bt_ptr, b, sbt_b, jp, page_end, S, PS)
             kw, km, vw, vm = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page, jp, page_end,
                                               S, h, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N, D, NG, ALIGNED,
-                                              FRAG)
+                                              FRAG, KCH)
             chan = _channel_of(dcol, D, FRAG)
-            _dequant_store(kw, km, ko_ptr + row[:, None] + chan[None, :], in_page[:, None], BLOCK_N, D, NG)
+            if KCH:  # each key's page's (scale, min) per channel, in the unpacked order of its codes
+                kmeta = km_ptr + page[:, None] * skm_p + h * skm_h + chan[None, :]
+                km = tl.join(tl.load(kmeta, mask=in_page[:, None], other=0.0),
+                             tl.load(kmeta + D, mask=in_page[:, None], other=0.0))
+                _dequant_store(kw, km, ko_ptr + row[:, None] + chan[None, :], in_page[:, None], BLOCK_N, D, 0)
+            else:
+                _dequant_store(kw, km, ko_ptr + row[:, None] + chan[None, :], in_page[:, None], BLOCK_N, D, NG)
             _dequant_store(vw, vm, vo_ptr + row[:, None] + chan[None, :], in_page[:, None], BLOCK_N, D, NG)
         in_sink = j < tl.minimum(S, prefix_end)
         in_ring = (j >= S) & (j >= page_end) & (j < prefix_end)
@@ -947,6 +1007,7 @@ def choose_page_kernel(q, geo, k_codes, k_meta, t: int, mask_kind: int, dot_dtyp
         (not fragment_order.in_fragment_order(k_codes), "pages not in fragment order"),
         (geo.head_dim not in (64, 128, 256), f"head_dim {geo.head_dim}"),
         (q.shape[1] // geo.num_kv_heads > 8, "GQA group > 8"),
+        (geo.key_channel, "per-channel keys"),
         (geo.num_groups != 1 or k_meta.dtype != torch.float16, "metadata not one fp16 pair a row"),
         (mask_kind == 2, "additive mask"),
         (t != 1, "more than one query token"),
@@ -1000,6 +1061,8 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
     else:
         nsplit = num_splits(b, h, page_m_blocks, page_keys, block_n, sms)
     unit = gluon.keys_per_block if gluon is not None else block_n  # whole blocks a split
+    if geo.key_channel:  # whole pages a split: a block reads one page's key metadata (block_n divides the page)
+        unit = max(unit, geo.page_size)
     keys_per_split = triton.cdiv(triton.cdiv(page_keys, max(nsplit, 1)), unit) * unit
     if filled and not splits:
         bf16_per_split = triton.cdiv(bf16_keys, BF16_BLOCK_N) * BF16_BLOCK_N
@@ -1030,6 +1093,8 @@ def plan_attention(b: int, hq: int, t: int, geo, device, block_n: int | None = N
     h, d = geo.num_kv_heads, geo.head_dim
     g = hq // h
     block_n = block_n or (64 if d > 128 else 128)
+    if geo.key_channel:  # a block of the page region never crosses a page (one page's key metadata)
+        block_n = min(block_n, geo.page_size)
     sms = _sm_count(device) if isinstance(device, torch.device) else int(device)
     chunk_len = t if chunk_len is None else chunk_len
     tq = max(t, 1)
@@ -1061,6 +1126,12 @@ def plan_tiles(b: int, hq: int, t: int, geo, device, block_n: int | None = None,
     return tiles
 
 
+def channel_pages_supported(page_size: int) -> bool:
+    """Page sizes the Triton kernels take with per-channel keys: powers of two of at least 16 (a page-region block
+    of 16+ keys, ``tl.dot``'s least, lies within one page)."""
+    return page_size >= 16 and page_size & (page_size - 1) == 0
+
+
 def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring,
                      block_table, query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
                      k_chunk=None, v_chunk=None, chunk_positions=None, block_n: int | None = None,
@@ -1081,6 +1152,11 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     geo = check_attention(q, positions, seq_lens, cache, query_transform, output_transform, value_mean, attn_mask,
                           scale, k_chunk, v_chunk, chunk_positions)
     b, hq, t, d = q.shape
+    if geo.key_channel and not channel_pages_supported(geo.page_size):
+        raise ValueError(f"oscar: the Triton attention reads per-channel keys in pages of 16, 32, 64, ... tokens (a "
+                         f"block of keys is one page's), got pages of {geo.page_size}")
+    if geo.key_channel and block_n:
+        block_n = min(block_n, geo.page_size)
     h = geo.num_kv_heads
     g = hq // h
     dev = q.device
@@ -1216,11 +1292,12 @@ def _gathered_prefix(geo, lens, c0, has_chunk, kw, k_meta, vw, v_meta, k_sink, v
         return k, v
     _gather_prefix_kernel[(b * h, triton.cdiv(p, block))](
         lens, lens.stride(0), c0, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
-        block_table.stride(0), kw.stride(0), kw.stride(1), kw.stride(2), k_meta.stride(0), k_meta.stride(1),
-        k_meta.stride(2), k_sink.stride(0), k_sink.stride(1), k_sink.stride(2), k_ring.stride(0), k_ring.stride(1),
-        k_ring.stride(2), k, v, k.stride(0), k.stride(1), k.stride(2), geo.num_sinks, geo.window, p, H=h, D=d,
+        block_table.stride(0), kw.stride(0), kw.stride(1), kw.stride(2), v_meta.stride(0), v_meta.stride(1),
+        v_meta.stride(2), k_sink.stride(0), k_sink.stride(1), k_sink.stride(2), k_ring.stride(0), k_ring.stride(1),
+        k_ring.stride(2), k, v, k.stride(0), k.stride(1), k.stride(2), geo.num_sinks, geo.window, p,
+        k_meta.stride(0), k_meta.stride(2), H=h, D=d,
         NG=geo.num_groups, PS=geo.page_size, BLOCK_N=block, HAS_CHUNK=has_chunk, ALIGNED=aligned, FRAG=frag,
-        num_warps=4)
+        KCH=geo.key_channel, num_warps=4)
     return k, v
 
 
@@ -1304,15 +1381,17 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
         qq, pos, pos.stride(0), lens, lens.stride(0),
         c0, c_end, kch, vch, kch.stride(0), kch.stride(1), kch.stride(2),
         kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring, block_table, block_table.stride(0),
-        kw.stride(0), kw.stride(1), kw.stride(2), k_meta.stride(0), k_meta.stride(1), k_meta.stride(2),
+        kw.stride(0), kw.stride(1), kw.stride(2), v_meta.stride(0), v_meta.stride(1), v_meta.stride(2),
         k_sink.stride(0), k_sink.stride(1), k_sink.stride(2), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
         q if mask is None else mask, smk[0], smk[1], smk[2], smk[3], mask_len,
         part_m, part_l, part_o, m_total, plan.keys_per_split, plan.bf16_per_split, geo.num_sinks, geo.window,
         plan.nsplit, ns, lens if bounds is None else bounds, 0 if bounds is None else bounds.stride(0),
+        k_meta.stride(0), k_meta.stride(2),
     )
     meta = dict(H=h, G=g, D=d, NG=geo.num_groups, PS=geo.page_size, HAS_RING=geo.window > 0,
                 IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_CHUNK=has_chunk, DT=dt, KC=min(d, 64),
-                ALIGNED=aligned, ABLATE=ablate, USE_ASM=use_asm, FRAG=frag, num_stages=num_stages)
+                ALIGNED=aligned, ABLATE=ablate, USE_ASM=use_asm, FRAG=frag, num_stages=num_stages,
+                KCH=geo.key_channel)
     page_opts = {"maxnreg": maxnreg} if maxnreg else {}  # a register cap trades spills for CTAs per SM
     # warps: page_warps for the page region alone, else num_warps for both regions, else the heuristic
     page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, plan.page_m_blocks, plan.page_m, q.device)

@@ -17,6 +17,11 @@ token of ``BLOCK_T`` rows), one KV head and one side (keys or values):
    and ``min`` per group rounded to the metadata dtype, ``code = floor((y - min) / scale + 0.5)``,
    four codes a byte, quartered (``tl.reshape`` to ``[BLOCK_T, 4, d/4]``, shift, sum).
 
+Per-channel keys (``key_format="channel"``) take three launches: the one above transforms the chunk and writes
+its sinks only (``CHUNK_ONLY``); ``_flush_pages_kernel`` quantizes the whole pages the call completes (keys per
+channel over the page's tokens, values per token), reading their tokens from the ring or the transformed chunk;
+``_ring_kernel`` then writes the chunk's newest tokens into the ring, whose slots the pages may have just read.
+
 Writes into a page the block table does not own (``-1``), past the block table or past the pool are dropped:
 the kernel cannot raise, so it never writes out of bounds, and capacity errors are raised on the host
 (:mod:`oscar_compile.passes.capacity` for compiled models, the reference's checks otherwise).
@@ -64,12 +69,27 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
                     sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
                     clip_lo, clip_frac, MAX_PAGES, NUM_PAGES,
                     PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
-                    NG: tl.constexpr, HAS_CLIP: tl.constexpr, FRAG: tl.constexpr, KIND: tl.constexpr):
-    """Quantize rows ``y [BLOCK_T, D]`` (fp32) where ``keep``; row r goes to quantized index ``qidx[r]``."""
+                    NG: tl.constexpr, HAS_CLIP: tl.constexpr, FRAG: tl.constexpr, KIND: tl.constexpr,
+                    CHANNEL: tl.constexpr = False):
+    """Quantize rows ``y [BLOCK_T, D]`` (fp32) where ``keep``; row r goes to quantized index ``qidx[r]``.
+
+    ``CHANNEL``: the rows are one whole page (``BLOCK_T == PS``, all kept), quantized per channel over its tokens
+    (one (scale, min) per channel, written once for the page at ``meta[page, 0, h]``; no clipping)."""
     if tl.sum(keep.to(tl.int32), 0) > 0:  # most decode steps quantize nothing (the token goes to the ring)
         # Before clipping (the GPU's min/max drop NaN): x - x is 0 only for finite x.
         finite = tl.min(((y - y) == 0.0).to(tl.int32), axis=1) > 0
-        if HAS_CLIP:
+        meta_ty = meta_ptr.dtype.element_ty
+        if CHANNEL:
+            # a page holding a NaN/inf dequantizes to NaN for this head, as the reference stores it
+            page_finite = tl.min(finite.to(tl.int32), axis=0) > 0
+            mn = tl.min(y, axis=0)
+            mx = tl.max(y, axis=0)
+            scale = tl.div_rn(mx - mn, tl.full(mx.shape, 3.0, tl.float32)).to(meta_ty).to(tl.float32)
+            mn = mn.to(meta_ty).to(tl.float32)
+            inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
+            c = tl.floor((y - mn[None, :]) * inv[None, :] + 0.5)
+            c = tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.int32)
+        elif HAS_CLIP:
             # The clip quantile interpolates between the sorted |y| at clip_lo and clip_lo + 1. Both are
             # among the few largest values, so walk the distinct values from the top instead of sorting:
             # each step takes the row's maximum and how many entries equal it (ties count once per entry,
@@ -90,17 +110,17 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
             # top = sorted[clip_lo], above = sorted[clip_lo + 1]
             t = (top + clip_frac * (above - top))[:, None]
             y = tl.minimum(tl.maximum(y, -t), t)
-        GS: tl.constexpr = D // NG
-        yg = tl.reshape(y, (BLOCK_T, NG, GS))
-        mn = tl.min(yg, axis=2)
-        mx = tl.max(yg, axis=2)
-        meta_ty = meta_ptr.dtype.element_ty
-        # IEEE divisions like torch's (the GPU's default fp32 division is approximate)
-        scale = tl.div_rn(mx - mn, tl.full(mx.shape, 3.0, tl.float32)).to(meta_ty).to(tl.float32)
-        mn = mn.to(meta_ty).to(tl.float32)
-        inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
-        c = tl.floor((yg - mn[:, :, None]) * inv[:, :, None] + 0.5)
-        c = tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.int32)
+        if not CHANNEL:
+            GS: tl.constexpr = D // NG
+            yg = tl.reshape(y, (BLOCK_T, NG, GS))
+            mn = tl.min(yg, axis=2)
+            mx = tl.max(yg, axis=2)
+            # IEEE divisions like torch's (the GPU's default fp32 division is approximate)
+            scale = tl.div_rn(mx - mn, tl.full(mx.shape, 3.0, tl.float32)).to(meta_ty).to(tl.float32)
+            mn = mn.to(meta_ty).to(tl.float32)
+            inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
+            c = tl.floor((yg - mn[:, :, None]) * inv[:, :, None] + 0.5)
+            c = tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.int32)
         if FRAG:  # byte e = 8 blk + r holds channels 32 blk + r + 8 q at bits 2q (fragment_order.py)
             c = tl.reshape(c, (BLOCK_T, D // 32, 4, 8))
             shifts = (tl.arange(0, 4) * 2)[None, None, :, None]
@@ -124,10 +144,19 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
             tl.store(codes_ptr + page * sc_p + h * sc_h + byte_off, packed, mask=ok)
         else:
             tl.store(codes_ptr + page * sc_p + slot * sc_s + h * sc_h + d4, packed, mask=ok)
-        g = tl.arange(0, NG)[None, :]
-        mbase = meta_ptr + page * sm_p + slot * sm_s + h * sm_h
-        tl.store(mbase + g, tl.where(finite[:, None], scale, float("nan")).to(meta_ty), mask=ok)
-        tl.store(mbase + NG + g, tl.where(finite[:, None], mn, float("nan")).to(meta_ty), mask=ok)
+        if CHANNEL:  # every row of the page names the same page: its metadata once, from the first row
+            first_row = tl.arange(0, BLOCK_T)[:, None] == 0
+            page0 = tl.max(tl.where(ok & first_row, page, -1), axis=0)  # [1]; -1: the page is not owned
+            col = tl.arange(0, D)[None, :]
+            mbase = meta_ptr + tl.maximum(page0, 0)[:, None] * sm_p + h * sm_h
+            own = (page0 >= 0)[:, None]
+            tl.store(mbase + col, tl.where(page_finite, scale, float("nan")).to(meta_ty)[None, :], mask=own)
+            tl.store(mbase + D + col, tl.where(page_finite, mn, float("nan")).to(meta_ty)[None, :], mask=own)
+        else:
+            g = tl.arange(0, NG)[None, :]
+            mbase = meta_ptr + page * sm_p + slot * sm_s + h * sm_h
+            tl.store(mbase + g, tl.where(finite[:, None], scale, float("nan")).to(meta_ty), mask=ok)
+            tl.store(mbase + NG + g, tl.where(finite[:, None], mn, float("nan")).to(meta_ty), mask=ok)
 
 
 @triton.jit
@@ -137,7 +166,7 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
                 sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
                 so_b, so_t, so_h, clip_lo, clip_frac, S, W, MAX_PAGES, NUM_PAGES,
                 PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, HAS_CLIP: tl.constexpr,
-                HAS_RING: tl.constexpr, FRAG: tl.constexpr, KIND: tl.constexpr):
+                HAS_RING: tl.constexpr, FRAG: tl.constexpr, KIND: tl.constexpr, CHUNK_ONLY: tl.constexpr):
     col = tl.arange(0, D)
     D4: tl.constexpr = D // 4
     c4 = tl.arange(0, D4)
@@ -161,7 +190,9 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
     in_sink = valid & (p < S)
     tl.store(sink_ptr + b[:, None] * ss_b + tl.where(in_sink, p, 0)[:, None] * ss_t + h * ss_h + col[None, :], yc,
              mask=in_sink[:, None])
-    if HAS_RING:
+    if CHUNK_ONLY:  # per-channel keys: the pages (_flush_pages_kernel) and the ring (_ring_kernel) come after
+        pass
+    elif HAS_RING:
         w1 = tl.maximum(W, 1)
         ring_final = valid & (p >= S) & (p >= length - W)
         slot = tl.where(ring_final, p % w1, 0)
@@ -176,11 +207,14 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
         tl.debug_barrier()
         tl.store(ring_row, yc, mask=ring_final[:, None])
         to_page = valid & (p >= S) & ~ring_final
+        _quantize_store(y, to_page, p - S, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
+                        sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, MAX_PAGES, NUM_PAGES,
+                        PS, BLOCK_T, D, NG, HAS_CLIP, FRAG, KIND)
     else:
         to_page = valid & (p >= S)
-    _quantize_store(y, to_page, p - S, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
-                    sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, MAX_PAGES, NUM_PAGES,
-                    PS, BLOCK_T, D, NG, HAS_CLIP, FRAG, KIND)
+        _quantize_store(y, to_page, p - S, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
+                        sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, MAX_PAGES, NUM_PAGES,
+                        PS, BLOCK_T, D, NG, HAS_CLIP, FRAG, KIND)
 
 
 # Per-call sizes and per-layer clip indices are not specialised (no recompiles on new prompt lengths).
@@ -192,7 +226,8 @@ def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                   sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h,
                   kclip_lo, kclip_frac, vclip_lo, vclip_frac, S, W, MAX_PAGES, NUM_PAGES, NH,
                   PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
-                  K_CLIP: tl.constexpr, V_CLIP: tl.constexpr, HAS_RING: tl.constexpr, FRAG: tl.constexpr):
+                  K_CLIP: tl.constexpr, V_CLIP: tl.constexpr, HAS_RING: tl.constexpr, FRAG: tl.constexpr,
+                  CHUNK_ONLY: tl.constexpr = False):
     # A program takes BLOCK_T consecutive (batch row, token) pairs of the flattened B x T tokens: a prefill
     # chunk's tokens of one row, or one decode token of each of BLOCK_T rows (so a decode step reads each
     # head's d x d matrix once per 16 rows, not once per row). Keys and values in separate programs (grid
@@ -210,12 +245,91 @@ def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
         _store_side(k_ptr, sk_b, sk_h, sk_t, ak_ptr, muk_ptr, kout_ptr, kc_ptr, km_ptr, ks_ptr, kr_ptr, bt_ptr,
                     b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
                     ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, kclip_lo, kclip_frac, S, W, MAX_PAGES,
-                    NUM_PAGES, PS, BLOCK_T, D, NG, K_CLIP, HAS_RING, FRAG, 0)
+                    NUM_PAGES, PS, BLOCK_T, D, NG, K_CLIP, HAS_RING, FRAG, 0, CHUNK_ONLY)
     else:
         _store_side(v_ptr, sv_b, sv_h, sv_t, av_ptr, muv_ptr, vout_ptr, vc_ptr, vm_ptr, vs_ptr, vr_ptr, bt_ptr,
                     b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
                     ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, vclip_lo, vclip_frac, S, W, MAX_PAGES,
-                    NUM_PAGES, PS, BLOCK_T, D, NG, V_CLIP, HAS_RING, FRAG, 1)
+                    NUM_PAGES, PS, BLOCK_T, D, NG, V_CLIP, HAS_RING, FRAG, 1, CHUNK_ONLY)
+
+
+@triton.jit
+def _quantized_len(length, S, WE, PS: tl.constexpr):
+    """Page tokens of a row holding ``length`` tokens (:func:`checks.quantized_len`, whole pages)."""
+    return tl.maximum(length - S - WE, 0) // PS * PS
+
+
+@triton.jit
+def _flush_side(out_ptr, so_b, so_t, so_h, ring_ptr, sr_b, sr_t, sr_h, codes_ptr, meta_ptr, bt_ptr, stride_bt_b,
+                b, h, t, from_ring, q, j, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, W, MAX_PAGES,
+                NUM_PAGES, PS: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, HAS_CLIP: tl.constexpr,
+                FRAG: tl.constexpr, KIND: tl.constexpr, CHANNEL: tl.constexpr):
+    col = tl.arange(0, D)[None, :]
+    ring_rows = ring_ptr + b * sr_b + tl.where(from_ring, q % W, 0)[:, None] * sr_t + h * sr_h + col
+    out_rows = out_ptr + b * so_b + tl.where(from_ring, 0, t)[:, None] * so_t + h * so_h + col
+    y = tl.where(from_ring[:, None], tl.load(ring_rows, mask=from_ring[:, None], other=0.0),
+                 tl.load(out_rows, mask=~from_ring[:, None], other=0.0)).to(tl.float32)
+    bb = b + tl.zeros([PS], tl.int64)
+    _quantize_store(y, j >= 0, j, codes_ptr, meta_ptr, bt_ptr, bb, h, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
+                    clip_lo, clip_frac, MAX_PAGES, NUM_PAGES, PS, PS, D, NG, HAS_CLIP, FRAG, KIND, CHANNEL)
+
+
+@triton.jit(do_not_specialize=["so_b", "stm_b", "S", "W", "WE", "vclip_lo", "NUM_PAGES"])
+def _flush_pages_kernel(kout_ptr, vout_ptr, so_b, so_t, so_h, tmap_ptr, stm_b, first_ptr, last_ptr,
+                        kc_ptr, km_ptr, vc_ptr, vm_ptr, kr_ptr, vr_ptr, bt_ptr, stride_bt_b,
+                        sc_p, sc_s, sc_h, skm_p, skm_h, svm_p, svm_s, svm_h, sr_b, sr_t, sr_h,
+                        vclip_lo, vclip_frac, S, W, WE, MAX_PAGES, NUM_PAGES, NH,
+                        PS: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, V_CLIP: tl.constexpr,
+                        FRAG: tl.constexpr):
+    """Per-channel keys: the pages this call completes, one page of one row, head and side a program.
+
+    A row holding ``L`` tokens keeps ``quantized_len(L)`` of them in pages (whole pages). The pages between the
+    row's count before the call (``first`` tokens) and after it (``last + 1``) are written now, from their
+    tokens' cache-dtype rows: those of earlier calls still in the ring (it holds ``W = WE + PS - 1``), the rest
+    from this call's transformed chunk (``tmap``: position - first -> chunk index). Runs before the ring takes
+    this call's tokens (:func:`_ring_kernel`), which may overwrite the slots read here."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(2) % NH
+    first = tl.load(first_ptr + b).to(tl.int64)
+    last = tl.load(last_ptr + b).to(tl.int64)
+    if last >= 0:  # a row of padding only writes nothing
+        lo = _quantized_len(first, S, WE, PS)
+        j0 = lo + tl.program_id(1) * PS
+        if j0 < _quantized_len(last + 1, S, WE, PS):
+            j = j0 + tl.arange(0, PS)  # quantized indices of the page's tokens
+            q = S + j  # their positions
+            from_ring = q < first
+            t = tl.load(tmap_ptr + b * stm_b + tl.where(from_ring, 0, q - first), mask=~from_ring, other=0).to(tl.int64)
+            if tl.program_id(2) < NH:
+                _flush_side(kout_ptr, so_b, so_t, so_h, kr_ptr, sr_b, sr_t, sr_h, kc_ptr, km_ptr, bt_ptr, stride_bt_b,
+                            b, h, t, from_ring, q, j, sc_p, sc_s, sc_h, skm_p, 0, skm_h, 0, 0.0, W, MAX_PAGES,
+                            NUM_PAGES, PS, D, NG, False, FRAG, 0, True)
+            else:
+                _flush_side(vout_ptr, so_b, so_t, so_h, vr_ptr, sr_b, sr_t, sr_h, vc_ptr, vm_ptr, bt_ptr, stride_bt_b,
+                            b, h, t, from_ring, q, j, sc_p, sc_s, sc_h, svm_p, svm_s, svm_h, vclip_lo, vclip_frac, W,
+                            MAX_PAGES, NUM_PAGES, PS, D, NG, V_CLIP, FRAG, 1, False)
+
+
+@triton.jit(do_not_specialize=["sp_b", "T", "ROWS", "S", "W", "WE"])
+def _ring_kernel(kout_ptr, vout_ptr, so_b, so_t, so_h, pos_ptr, sp_b, last_ptr, kr_ptr, vr_ptr, sr_b, sr_t, sr_h,
+                 T, ROWS, S, W, WE, NH, PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    """This call's tokens into the ring (per-channel keys, after :func:`_flush_pages_kernel`): those past the row's
+    pages (at most the newest ``W``), slot ``p % W``; one writer a slot, as the reference writes it."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    inb = r < ROWS
+    b = tl.where(inb, r // T, 0)
+    t = r % T
+    h = tl.program_id(1) % NH
+    p = tl.load(pos_ptr + b * sp_b + t, mask=inb, other=-1).to(tl.int64)
+    last = tl.load(last_ptr + b, mask=inb, other=0).to(tl.int64)
+    ring_final = (inb & (p >= S + _quantized_len(last + 1, S, WE, PS)))[:, None]
+    col = tl.arange(0, D)[None, :]
+    src = b[:, None] * so_b + t[:, None] * so_t + h * so_h + col
+    dst = b[:, None] * sr_b + tl.where(ring_final, p[:, None] % W, 0) * sr_t + h * sr_h + col
+    if tl.program_id(1) < NH:
+        tl.store(kr_ptr + dst, tl.load(kout_ptr + src, mask=ring_final), mask=ring_final)
+    else:
+        tl.store(vr_ptr + dst, tl.load(vout_ptr + src, mask=ring_final), mask=ring_final)
 
 
 def _clip_args(ratio: float, d: int) -> tuple[int, float, bool]:
@@ -232,7 +346,8 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
     geo = check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip)
     b, h, t, d = k.shape
-    if (v_codes.stride() != k_codes.stride() or v_meta.stride() != k_meta.stride() or v_sink.stride() != k_sink.stride()
+    same_meta = geo.key_channel or v_meta.stride() == k_meta.stride()  # per-channel key metadata: its own strides
+    if (v_codes.stride() != k_codes.stride() or not same_meta or v_sink.stride() != k_sink.stride()
             or v_ring.stride() != k_ring.stride()):
         raise ValueError("oscar: the Triton store needs key and value cache tensors with the same strides")
     pos = positions.expand(b, t) if positions.dim() == 1 else positions
@@ -261,6 +376,37 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
         k_out.stride(0), k_out.stride(1), k_out.stride(2), kl, kf, vl, vf, geo.num_sinks, geo.window, geo.max_pages,
         geo.num_pages, h,
         PS=geo.page_size, BLOCK_T=block_t, D=d, NG=geo.num_groups, K_CLIP=kc, V_CLIP=vc, HAS_RING=geo.window > 0,
-        FRAG=fragment_order.in_fragment_order(k_codes), num_warps=warps,
+        FRAG=fragment_order.in_fragment_order(k_codes), num_warps=warps, CHUNK_ONLY=geo.key_channel,
     )
+    if geo.key_channel:
+        _store_pages_then_ring(geo, pos, first, last, k_out, v_out, k_codes, k_meta, v_codes, v_meta, k_ring, v_ring,
+                               bt, vl, vf, vc)
     return k_out, v_out
+
+
+def _store_pages_then_ring(geo, pos, first, last, k_out, v_out, k_codes, k_meta, v_codes, v_meta, k_ring, v_ring, bt,
+                           vclip_lo, vclip_frac, v_clip):
+    """Per-channel keys, after the chunk was transformed (and its sinks written): the pages the call completes,
+    then the ring (two launches: a page may read a ring slot that this call's tokens overwrite)."""
+    b, t, h, d = k_out.shape
+    ps = geo.page_size
+    valid = pos >= 0
+    # chunk index of each new position (position - first): padding may sit anywhere in a row
+    tmap = torch.zeros(b, t + 1, dtype=torch.int32, device=pos.device)
+    idx = torch.where(valid, pos - first[:, None], t).long().clamp_(0, t)  # consecutive: < t
+    tmap.scatter_(1, idx, torch.arange(t, dtype=torch.int32, device=pos.device).expand(b, t).contiguous())
+    LAST_LAUNCH["flush"] = _flush_pages_kernel[(b, triton.cdiv(t, ps), 2 * h)](
+        k_out, v_out, k_out.stride(0), k_out.stride(1), k_out.stride(2), tmap, tmap.stride(0), first, last,
+        k_codes, k_meta, v_codes, v_meta, k_ring, v_ring, bt, bt.stride(0),
+        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_meta.stride(0), k_meta.stride(2),
+        v_meta.stride(0), v_meta.stride(1), v_meta.stride(2), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
+        vclip_lo, vclip_frac, geo.num_sinks, geo.window, geo.evict_window, geo.max_pages, geo.num_pages, h,
+        PS=ps, D=d, NG=geo.num_groups, V_CLIP=v_clip, FRAG=fragment_order.in_fragment_order(k_codes),
+        num_warps=8 if d * ps >= 8192 else 4,
+    )
+    block_t = 16
+    _ring_kernel[(triton.cdiv(b * t, block_t), 2 * h)](
+        k_out, v_out, k_out.stride(0), k_out.stride(1), k_out.stride(2), pos, pos.stride(0), last, k_ring, v_ring,
+        k_ring.stride(0), k_ring.stride(1), k_ring.stride(2), t, b * t, geo.num_sinks, geo.window, geo.evict_window,
+        h, PS=ps, BLOCK_T=block_t, D=d, num_warps=4,
+    )

@@ -1,0 +1,151 @@
+"""Triton kernels of per-channel keys (``key_format="channel"``) against the PyTorch reference ops.
+
+The store writes whole pages in its own launch (keys per channel over the page's tokens, values per token), from the
+ring and the chunk, then the ring; attention folds each page's per-channel scale into the query (page region) or
+dequantizes whole pages (the fused prefill's gather). Without a GPU they run in Triton's interpreter (tiny shapes).
+
+Tolerances: the store's transform is an fp32-accurate dot, so the INT2 codes and the (scale, min) of a page match the
+reference except where a rounding tie moves by one code (allowed for 0.5% of codes, as for per-token pages); the
+rings and sinks match to fp32 rounding. Attention runs fp16 tensor-core operands (the page-scaled query keeps 11
+bits) with fp32 accumulation: 5e-3 relative (Frobenius) error against the reference, as for per-token pages.
+"""
+
+import pytest
+import torch
+
+from oscar_compile.kernels import fragment_order
+from oscar_compile.kernels.attention import attention_reference
+from oscar_compile.kernels.checks import check_cache
+from oscar_compile.kernels.store import store_reference
+from oscar_compile.kernels.triton_attention import LAST_LAUNCH, attention_triton, choose_page_kernel
+from oscar_compile.kernels.triton_store import store_triton
+from oscar_compile.ops import triton_supported
+from oscar_compile.quant import unpack_int2
+from oscar_compile.testing import rel_error, twin_caches
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ATTN_TOL = 5e-3
+
+
+def _dequantized_pages(layer):
+    """Keys and values of every page as floats (``[num_pages, P, H, d]``), from the codes and metadata."""
+    kc = unpack_int2(fragment_order.logical_pool(layer.k_codes, "k")).float()
+    vc = unpack_int2(fragment_order.logical_pool(layer.v_codes, "v")).float()
+    d = kc.shape[-1]
+    k = kc * layer.k_meta[..., :d].float() + layer.k_meta[..., d:].float()  # [pages, 1, H, 2d]: one row a page
+    ng = layer.v_meta.shape[-1] // 2
+    vs, vm = (m.float().repeat_interleave(d // ng, -1) for m in layer.v_meta.chunk(2, -1))
+    return k, vc * vs + vm, layer.k_meta[..., :d].float(), vs
+
+
+def _assert_same_cache(ref, got, dtype):
+    lr, lg = ref.layers[0], got.layers[0]
+    rtol, atol = (2e-5, 2e-5) if dtype == torch.float32 else (2**-7, 1e-3)  # one ulp of the cache dtype
+    for name in ("k_sink", "v_sink", "k_ring", "v_ring"):
+        torch.testing.assert_close(getattr(lg, name).float(), getattr(lr, name).float(), rtol=rtol, atol=atol,
+                                   msg=name)
+    kr, vr, ks, vs = _dequantized_pages(lr)
+    kg, vg, _, _ = _dequantized_pages(lg)
+    for name, a, b, step in (("keys", kr, kg, ks), ("values", vr, vg, vs)):
+        moved = (a - b).abs() > 0.5 * step + 1e-3  # more than a rounding tie's worth
+        assert moved.float().mean() <= 5e-3, f"{moved.float().mean():.4f} of dequantized {name} moved"
+
+
+def _run(h, gqa, d, ps, s, w, lengths, chunks=(), decode_steps=0, dtype=torch.float32, clip=1.0, seed=0,
+         mask=False, **options):
+    """Prefill rows of ``lengths`` (padding at the end), then further chunks of ``chunks`` tokens a row, then decode
+    steps; after every store the caches and the attention outputs of both implementations are compared."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(lengths)
+    max_len = max(lengths) + sum(chunks) + decode_steps + 1
+    ref, got = twin_caches(h, d, batch, max_len, s, w, ps, None, dtype, "orthogonal", clip, seed, device=DEV,
+                           key_format="channel")
+    lens = [0] * batch
+    for i, step in enumerate([lengths] + [(c,) * batch for c in chunks] + [(1,) * batch] * decode_steps):
+        t = max(step)
+        pos = torch.stack([torch.where(torch.arange(t) < n, n0 + torch.arange(t), -1) for n, n0 in zip(step, lens)])
+        pos = pos.to(DEV)
+        k, v = (torch.randn(batch, h, t, d, generator=gen).to(DEV, dtype) + 0.5 for _ in range(2))
+        ck, cv = store_reference(*ref.store_args(0, k, v, pos))
+        ck_g, cv_g = store_triton(*got.store_args(0, k, v, pos))
+        valid = pos >= 0
+        torch.testing.assert_close(ck_g[valid].float(), ck[valid].float(), rtol=2e-5 if dtype == torch.float32 else
+                                   2**-7, atol=2e-5 if dtype == torch.float32 else 1e-3)
+        _assert_same_cache(ref, got, dtype)
+        lens = [n0 + n for n0, n in zip(lens, step)]
+        q = torch.randn(batch, h * gqa, t, d, generator=gen).to(DEV, dtype)
+        attn_mask = None
+        if mask and t > 1:  # a bool mask with holes: the page region's keys are masked one by one
+            keep = torch.rand(batch, 1, t, max_len, generator=gen) > 0.3
+            keep[..., 0] = True
+            attn_mask = keep.to(DEV)
+        seq_lens = torch.tensor(lens, device=DEV)
+        a = ref.attention_args(0, q, pos, seq_lens, attn_mask, attn_mask is None, chunk=(ck, cv, pos))
+        err = rel_error(attention_triton(*a, **options), attention_reference(*a))
+        tol = 1e-2 if dtype == torch.bfloat16 and LAST_LAUNCH.get("gather_prefix") else ATTN_TOL  # bf16 operands
+        assert err < tol, f"store {i}: attention error {err:.2e}"
+    return ref, got
+
+
+def test_store_and_decode_match_reference_small():
+    # rows of different lengths, none a multiple of the page; 20 decode steps cross page ends from the ring
+    _run(h=1, gqa=2, d=64, ps=16, s=2, w=5, lengths=(70, 23), decode_steps=20, clip=0.9)
+
+
+def test_chunked_prefill_reads_pages_through_the_gather_small():
+    # later chunks read the earlier ones' pages: the fused prefill's gather dequantizes them per channel; a chunk
+    # completes pages whose tokens come partly from the ring, partly from the chunk
+    _run(h=2, gqa=1, d=64, ps=16, s=3, w=7, lengths=(21, 40, 9), chunks=(33, 17), decode_steps=2,
+         dtype=torch.bfloat16, gather_prefix=True)
+
+
+def test_page_region_in_many_blocks_and_splits_small():
+    # blocks of 16 keys in pages of 32 (two blocks a page), three splits of whole pages, a bool mask with holes,
+    # and the split launches (not the gather) for a later chunk
+    _run(h=1, gqa=4, d=64, ps=32, s=0, w=16, lengths=(150, 61), chunks=(20,), decode_steps=2, seed=2, mask=True,
+         block_n=16, splits=3, gather_prefix=False)
+
+
+def test_page_size_and_kernel_choice():
+    # a block of keys lies within a page: pages of 16, 32, ... tokens only (else the reference serves CUDA)
+    assert triton_supported(64, 1, 16) and triton_supported(128, 1, 64) and triton_supported(64, 1, 0)
+    assert not triton_supported(64, 1, 8) and not triton_supported(64, 1, 24)
+    ref, _ = twin_caches(1, 64, 1, 40, 0, 4, 8, key_format="channel", device=DEV)
+    q = torch.randn(1, 1, 1, 64, device=DEV)
+    args = ref.attention_args(0, q, torch.tensor([[0]], device=DEV), torch.tensor([1], device=DEV))
+    with pytest.raises(ValueError, match="pages of 16, 32"):
+        attention_triton(*args)
+    # the Gluon decode kernel reads per-token metadata only: per-channel keys take the Triton page kernel
+    big, _ = twin_caches(1, 128, 1, 64, 0, 4, 32, dtype=torch.float16, key_format="channel", device=DEV)
+    q = torch.randn(1, 1, 1, 128, device=DEV)
+    args = big.attention_args(0, q, torch.tensor([[0]], device=DEV), torch.tensor([1], device=DEV))
+    geo = check_cache(*args[3:12])
+    assert geo.key_channel
+    assert choose_page_kernel(q, geo, args[3], args[4], 1, 0, torch.float16, "auto") == "triton"
+
+
+def test_non_finite_key_stays_in_its_page_and_head_small():
+    gen = torch.Generator().manual_seed(5)
+    h, d, ps = 2, 64, 16
+    ref, got = twin_caches(h, d, 2, 80, 1, 4, ps, key_format="channel", device=DEV)
+    t = 60
+    pos = torch.arange(t, device=DEV).expand(2, t)
+    k, v = (torch.randn(2, h, t, d, generator=gen).to(DEV) for _ in range(2))
+    k[0, 1, 10, 3] = float("nan")  # row 0, head 1, position 10: page 0 of that row
+    store_reference(*ref.store_args(0, k, v, pos))
+    store_triton(*got.store_args(0, k, v, pos))
+    km_r, km_g = ref.layers[0].k_meta, got.layers[0].k_meta
+    assert torch.equal(torch.isnan(km_r), torch.isnan(km_g)) and torch.isnan(km_g).any()
+    q = torch.randn(2, h, 1, d, generator=gen).to(DEV)
+    a = ref.attention_args(0, q, torch.full((2, 1), t, device=DEV), torch.full((2,), t + 1, device=DEV))
+    out_r, out_g = attention_reference(*a), attention_triton(*a)
+    assert torch.equal(torch.isnan(out_r), torch.isnan(out_g))
+    assert torch.isnan(out_g[0, 1]).all() and not torch.isnan(out_g[1]).any() and not torch.isnan(out_g[0, 0]).any()
+    assert rel_error(out_g[1], out_r[1]) < ATTN_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, gqa, ps", [(64, 3, 16), (128, 4, 32), (128, 8, 64), (256, 2, 32)])
+def test_full_shapes_gpu(d, gqa, ps):
+    _run(h=2, gqa=gqa, d=d, ps=ps, s=4, w=64, lengths=(900, 333, 1), chunks=(257,), decode_steps=40,
+         dtype=torch.bfloat16, seed=d + gqa)
