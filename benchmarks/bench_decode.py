@@ -187,7 +187,7 @@ def bf16_bytes(b, length):
 
 
 def bench_shape(b, length, device, sweep: bool, ablations: bool = False, profile: bool = False, extra=(),
-                as_model: bool = False, key_formats=("token",), channel_page: int = 32):
+                as_model: bool = False, key_formats=("token",), channel_page: int = 32, debias: float = 0.0):
     from oscar_compile.kernels.triton_attention import attention_triton
 
     q = torch.randn(b, HQ, 1, D, device=device, dtype=torch.bfloat16)
@@ -201,18 +201,19 @@ def bench_shape(b, length, device, sweep: bool, ablations: bool = False, profile
     for key_format in key_formats:
         page = channel_page if key_format == "channel" else 16
         r = _bench_int2(b, length, device, q, t_backends, fastest, sweep, ablations, profile, extra, as_model,
-                        key_format, page)
+                        key_format, page, debias)
         rows.append(r)
         torch.cuda.empty_cache()
     return rows
 
 
 def _bench_int2(b, length, device, q, t_backends, fastest, sweep, ablations, profile, extra, as_model, key_format,
-                page):
+                page, debias=0.0):
     from oscar_compile.kernels.triton_attention import attention_triton
 
     t_sdpa = t_backends[fastest]
     cache = int2_cache(b, length, device, page=page, key_format=key_format)
+    cache.score_debias = debias
     pos = torch.full((b, 1), length - 1, device=device, dtype=torch.long)
     lens = torch.full((b,), length, device=device, dtype=torch.long)
     # as_model: what the rewritten graph of a model passes (gpt-fast, transformers' generate): a bool [1, 1, 1, L]
@@ -261,7 +262,8 @@ def _bench_int2(b, length, device, q, t_backends, fastest, sweep, ablations, pro
     nb_int2, nb_bf16 = int2_bytes(b, length, page=page, key_format=key_format), bf16_bytes(b, length)
     breakdown = profile_both(q, b, length, device, lambda: attention_triton(*args), fastest) if profile else None
     return {
-        "batch": b, "context": length, "key_format": key_format, "page_size": page, "bf16_sdpa_us": t_sdpa, "bf16_fastest_backend": fastest,
+        "batch": b, "context": length, "key_format": key_format, "page_size": page, "score_debias": debias,
+        "bf16_sdpa_us": t_sdpa, "bf16_fastest_backend": fastest,
         "bf16_sdpa_backends_us": t_backends, "int2_us": t_int2, "int2_eager_us": t_eager, "int2_best_us": t_best,
         "int2_best_config": best_cfg, "default_splits": base_splits, "bf16_bytes": nb_bf16, "int2_bytes": nb_int2,
         "bf16_tbps": nb_bf16 / t_sdpa / 1e6, "int2_tbps": nb_int2 / t_int2 / 1e6,
@@ -346,6 +348,7 @@ def main():
     ap.add_argument("--no-store", action="store_true")
     ap.add_argument("--key-formats", default="token", help="token, channel or token,channel (INT2 rows of each)")
     ap.add_argument("--channel-page", type=int, default=32, help="page size of the per-channel key rows")
+    ap.add_argument("--debias", type=float, default=0.0, help="the INT2 caches' score_debias (0: off)")
     ap.add_argument("--as-model", action="store_true",
                     help="INT2 calls as a model's rewritten graph makes them: a bool mask row (not is_causal), the chunk")
     args = ap.parse_args()
@@ -357,7 +360,7 @@ def main():
     for b, length in shapes:
         for r in bench_shape(b, length, device, args.sweep, args.ablations, args.profile,
                              json.loads(args.configs) if args.configs else (), as_model=args.as_model,
-                             key_formats=key_formats, channel_page=args.channel_page):
+                             key_formats=key_formats, channel_page=args.channel_page, debias=args.debias):
             rows.append(r)
             _print_row(r)
         torch.cuda.empty_cache()

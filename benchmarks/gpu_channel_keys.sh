@@ -6,7 +6,7 @@
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/oscar-gpu}
 mkdir -p "$OUT"
 ( timeout "${GATE_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_key_channel.py \
-    tests/test_key_channel.py -k "gpu or small or cuda or choice" > "$OUT/channel_tests.log" 2>&1 ) &
+    tests/test_key_channel.py -k "gpu or small or cuda or choice or debias" > "$OUT/channel_tests.log" 2>&1 ) &
 GATE_TIMEOUT=${GATE_TIMEOUT:-420} bash "$(dirname "$0")/gpu_gate.sh" > "$OUT/gate.log" 2>&1
 wait
 echo "== per-channel key tests"; grep -E "passed|failed|Error|FAILED" "$OUT/channel_tests.log" | tail -12
@@ -15,3 +15,5 @@ python3 benchmarks/bench_decode.py --key-formats token,channel --name decode_att
   2>&1 | grep -v "^  warn" | tee "$OUT/bench.log" | cut -c1-400
 python3 benchmarks/bench_decode.py --key-formats token,channel --as-model --no-store \
   --name decode_attention_h200_key_formats_as_model --out "$OUT" 2>&1 | tee "$OUT/bench_as_model.log" | cut -c1-400
+python3 benchmarks/bench_decode.py --key-formats token,channel --debias 1 --no-store \
+  --name decode_attention_h200_key_formats_debias --out "$OUT" 2>&1 | tee "$OUT/bench_debias.log" | cut -c1-400

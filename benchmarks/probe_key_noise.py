@@ -28,9 +28,10 @@ import torch
 from probe_layer_error import capture
 
 
-def per_channel_round_trip(k: torch.Tensor, tokens: int, first: int) -> torch.Tensor:
+def per_channel_round_trip(k: torch.Tensor, tokens: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``k [H, T, d]`` with keys ``first ..`` quantized to INT2 per channel over groups of ``tokens`` tokens
-    (asymmetric, fp16 metadata); a last partial group and the keys before ``first`` stay exact."""
+    (asymmetric, fp16 metadata); a last partial group and the keys before ``first`` stay exact. Also returns each
+    element's quantization step (0 where exact)."""
     h, t, d = k.shape
     n = (t - first) // tokens * tokens
     x = k[:, first:first + n].reshape(h, n // tokens, tokens, d)
@@ -40,7 +41,9 @@ def per_channel_round_trip(k: torch.Tensor, tokens: int, first: int) -> torch.Te
     codes = ((x - mn) / step.clamp_min(1e-12)).round().clamp(0, 3)
     out = k.clone()
     out[:, first:first + n] = (codes * step + mn).reshape(h, n, d)
-    return out
+    steps = torch.zeros_like(k)
+    steps[:, first:first + n] = step.expand_as(x).reshape(h, n, d)
+    return out, steps
 
 
 def key_noise(q, k, tr, scale: float, sinks: int, window: int, queries: int) -> dict:
@@ -68,18 +71,33 @@ def key_noise(q, k, tr, scale: float, sinks: int, window: int, queries: int) -> 
     out = {"int2_share_exact": float((p_exact * int2).sum(-1).mean())}
     for name, g, bits in formats:
         m = bases.get(name.split()[-1])
+        steps = None  # each element's quantization step in the queries' basis (for the debiased share)
         if m is not None:  # quantized in that basis and brought back to the artifact's, where the queries are
-            kq = per_channel_round_trip(kt @ m, -g, sinks) @ torch.linalg.inv(m)
+            kq, _ = per_channel_round_trip(kt @ m, -g, sinks)
+            kq = kq @ torch.linalg.inv(m)
         elif g is not None and g < 0:
-            kq = per_channel_round_trip(kt, -g, sinks)
+            kq, steps = per_channel_round_trip(kt, -g, sinks)
         else:
-            kq = dequantize_int2(*quantize_int2(kt, g, tr.key_clip), g)
+            packed, sc, mn = quantize_int2(kt, g, tr.key_clip)
+            kq = dequantize_int2(packed, sc, mn, g)
+            steps = sc.float().repeat_interleave(d // sc.shape[-1], -1)
         s = torch.where(int2, torch.einsum("hgtd,hjd->hgtj", qt, kq) * scale, exact)
         err = (s - exact)[int2.expand_as(s)]
         p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
         out[name] = {"bits": round(bits, 3), "score_noise_sd": round(float(err.std()), 4),
                      "best_key_kept": round(float((s.masked_fill(~int2, float("-inf")).argmax(-1) == best).float().mean()), 3),
                      "int2_share": round(float((p * int2).sum(-1).mean()), 4)}
+        if steps is not None:
+            # rounding noise of a score, per (query, key): sum over channels of (q_c step_c)^2 / 12 (uniform error of
+            # half a step); exp(s + e) averages exp(s + var / 2), so subtracting var / 2 removes the inflation
+            var = torch.einsum("hgtd,hjd->hgtj", qt.square(), steps.square()) * scale**2 / 12
+            sd = torch.where(int2, s - var / 2, exact)
+            pd = torch.softmax(sd.masked_fill(~visible, float("-inf")), -1)
+            out[name]["int2_share_debiased"] = round(float((pd * int2).sum(-1).mean()), 4)
+            out[name]["predicted_noise_sd"] = round(float(var[int2.expand_as(var)].mean().sqrt()), 4)
+            # how far the attention weights are from exact (total variation), quantized and debiased
+            out[name]["tv"] = round(float(0.5 * (p - p_exact).abs().sum(-1).mean()), 4)
+            out[name]["tv_debiased"] = round(float(0.5 * (pd - p_exact).abs().sum(-1).mean()), 4)
     return out
 
 
@@ -117,11 +135,16 @@ def main():
         rows.append({"layer": layer, **r})
         print(f"layer {layer:2d}  INT2 share {r['int2_share_exact']:.3f}  " + " | ".join(
             f"{n} ({v['bits']:.2f} b): noise {v['score_noise_sd']:.3f}, best kept {v['best_key_kept']:.2f}, share {v['int2_share']:.3f}"
+            + (f" (debiased {v['int2_share_debiased']:.3f}; tv {v['tv']:.3f} -> {v['tv_debiased']:.3f})"
+               if "tv" in v else "")
             for n, v in r.items() if isinstance(v, dict)), flush=True)
     names = [n for n, v in rows[0].items() if isinstance(v, dict)] if rows else []
     for n in names:
-        print(f"mean over layers  {n:<9} noise {sum(r[n]['score_noise_sd'] for r in rows) / len(rows):.3f}  "
-              f"best kept {sum(r[n]['best_key_kept'] for r in rows) / len(rows):.3f}")
+        mean = lambda key: sum(r[n][key] for r in rows) / len(rows)  # noqa: E731
+        print(f"mean over layers  {n:<9} noise {mean('score_noise_sd'):.3f}  best kept {mean('best_key_kept'):.3f}  "
+              f"share {mean('int2_share'):.3f} (exact {sum(r['int2_share_exact'] for r in rows) / len(rows):.3f})"
+              + (f"  debiased {mean('int2_share_debiased'):.3f}  tv {mean('tv'):.4f} -> {mean('tv_debiased'):.4f}"
+                 if "tv" in rows[0][n] else ""))
     if a.out:
         Path(a.out).write_text(json.dumps({"model": a.model, "context": a.context, "artifact": str(a.artifact),
                                            "method": art.method, "sinks": a.sinks, "window": a.window,

@@ -110,6 +110,9 @@ class BackendOptions:
     # kept needle retrieval from the INT2 pages where per-token keys lost it (PagedInt2KVCache's key_format).
     # On CUDA the Triton kernels take it for pages of 16, 32, ... tokens (the reference serves smaller pages).
     key_format: str = "token"
+    # Attention lowers each INT2 key's score by this times half its rounding noise's variance (PagedInt2KVCache's
+    # score_debias): the noise otherwise inflates the INT2 keys' share of the attention. 0: off.
+    score_debias: float = 0.0
 
 
 class OscarBackend:
@@ -328,7 +331,8 @@ class OscarBackend:
             cache = PagedInt2KVCache(
                 1, m.num_kv_heads, m.head_dim, max_batch_size=rows, max_seq_len=max_len, page_size=o.page_size,
                 num_sinks=o.num_sinks, window=o.window, group_size=group, identity_block_table=True,
-                quantize=quantize, sliding_window=sliding, max_chunk=o.max_chunk, key_format=o.key_format, dtype=dtype,
+                quantize=quantize, sliding_window=sliding, max_chunk=o.max_chunk, key_format=o.key_format,
+                score_debias=o.score_debias, dtype=dtype,
                 meta_dtype=o.meta_dtype, device=device,
             )
             cache.set_transforms(0, self._transforms(layer, m.num_kv_heads, m.head_dim))
@@ -462,7 +466,8 @@ def _ring_is_smaller(o: BackendOptions, heads: int, d: int, dtype: torch.dtype, 
         return ring < row_bytes(heads, d, max_len, 0, group, dtype, o.meta_dtype)
     # the INT2 storage as the cache counts it (keys and values: its ring, whole pages for per-channel keys)
     int2 = PagedInt2KVCache(1, heads, d, max_seq_len=max_len, page_size=o.page_size, num_sinks=o.num_sinks,
-                            window=o.window, group_size=group, key_format=o.key_format, dtype=dtype,
+                            window=o.window, group_size=group, key_format=o.key_format,
+                            score_debias=o.score_debias, dtype=dtype,
                             meta_dtype=o.meta_dtype, device="meta")
     return 2 * ring < int2.memory_report(max_len).int2_bytes
 

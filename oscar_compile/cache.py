@@ -215,7 +215,10 @@ class PagedInt2KVCache:
             minimum per channel and page: ``2 + 32 / page_size`` bits), KIVI's axis in the transformed basis,
             which keeps the keys' per-channel ranges and so the ranking of scores that retrieval depends on.
             A page is written once all its tokens left the window (the ring holds ``window + page_size - 1``).
-            No Triton kernel reads it yet: on CUDA both ops run the PyTorch reference for such a cache.
+            On CUDA the Triton kernels take pages of 16, 32, ... tokens; smaller pages run the PyTorch reference.
+        score_debias: ``c`` in [0, 4]: attention lowers each INT2 key's score by ``c`` times half the variance of its
+            rounding error (``oscar::attention``'s ``debias``), which otherwise inflates the INT2 keys' share of
+            the attention. 0 (default) reads the scores as they are.
         dtype: dtype of sinks and ring; meta_dtype: dtype of scales and minimums.
     """
 
@@ -237,6 +240,7 @@ class PagedInt2KVCache:
         sliding_window: int | None = None,
         max_chunk: int = 2048,
         key_format: str = "token",
+        score_debias: float = 0.0,
         dtype: torch.dtype = torch.bfloat16,
         meta_dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
@@ -266,6 +270,9 @@ class PagedInt2KVCache:
             num_sinks, window = 0, min(int(sliding_window) + int(max_chunk) - 1, max_seq_len)
         elif not quantize:
             window = max(window, max_seq_len)  # every token stays in the BF16 ring: nothing is evicted
+        if not 0.0 <= float(score_debias) <= 4.0:
+            raise ValueError(f"oscar: score_debias must be in [0, 4] (1 removes the expected INT2 score noise), got {score_debias}")
+        self.score_debias = float(score_debias)
         self.sliding_window = None if sliding_window is None else int(sliding_window)
         self.max_chunk = int(max_chunk)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
@@ -414,7 +421,7 @@ class PagedInt2KVCache:
             attn_mask = self.sliding_mask(positions, int(seq_lens.max()) if seq_lens.numel() else 0)
         k_chunk, v_chunk, chunk_positions = chunk if chunk is not None else (None, None, None)
         return (q, positions, seq_lens, *self._op_args(layer), tr.query_transform, tr.output_transform, tr.value_mean,
-                attn_mask, is_causal, scale, k_chunk, v_chunk, chunk_positions)
+                attn_mask, is_causal, scale, k_chunk, v_chunk, chunk_positions, self.score_debias)
 
     def sliding_mask(self, positions: torch.Tensor, num_keys: int) -> torch.Tensor:
         """``[B, 1, T, num_keys]`` bool: query at ``i`` sees keys ``i - sliding_window < j <= i`` (what

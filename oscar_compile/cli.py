@@ -78,8 +78,8 @@ def _eval(args) -> int:
              "bfloat16": torch.bfloat16}[args.dtype]
     model, tok = load_model(args.model)  # float32 on the CPU: calibration and the artifact hash see these weights
     names = args.methods.split(",")
-    base, seq_of, positions_of, bf16_layers, group_sizes, channel_pages = _method_specs(names, args.calib_seq_len,
-                                                                                        args.calib_positions)
+    base, seq_of, positions_of, bf16_layers, group_sizes, read_options = _method_specs(names, args.calib_seq_len,
+                                                                                       args.calib_positions)
     calibrated = [n for n in names if base[n] not in ("bf16", "kivi")]
     artifacts = {}
     for seq, positions in dict.fromkeys((seq_of[n], positions_of[n]) for n in calibrated):
@@ -109,9 +109,11 @@ def _eval(args) -> int:
                 options["layer_group_sizes"] = group_sizes[n]
                 for size in sorted(set(group_sizes[n].values())):
                     label += f" g{size} L{','.join(str(k) for k, g in sorted(group_sizes[n].items()) if g == size)}"
-            if channel_pages[n]:
-                options.update(key_format="channel", page_size=channel_pages[n])
-                label += f" keys per channel x{channel_pages[n]}"
+            if read_options[n].get("page_size"):
+                label += f" keys per channel x{read_options[n]['page_size']}"
+            if read_options[n].get("score_debias"):
+                label += f" debias {read_options[n]['score_debias']:g}"
+            options.update(read_options[n])
             methods.append(Method(label + (f" g{args.group_size}" if args.group_size else ""), "oscar", artifacts[n],
                                   options))
     cfg = EvalConfig(ppl_contexts=ints(args.ppl_contexts), ppl_decode=args.ppl_decode, ppl_sequences=args.ppl_sequences,
@@ -222,12 +224,15 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     calibration rows spread over 2048 positions (p0: all at position 0), overriding ``--calib-positions`` for that
     method, so several spreads share one run's tokens and its bf16; "method:g32.4-10.20": groups of 32 channels in
     layers 4 to 10 and 20 (the backend's layer_group_sizes); "method:c32": keys per channel over pages of 32
-    tokens (the backend's key_format="channel", page_size=32)."""
+    tokens (the backend's key_format="channel", page_size=32); "method:d" ("method:d0.5"): INT2 scores debiased
+    by 1 (0.5) times half their rounding noise's variance (the backend's score_debias). The last two come back as
+    each method's backend options."""
     base, seq_of, positions_of, bf16_layers, group_sizes = {}, {}, {}, {}, {}
-    channel_pages = {}
+    read_options = {}
     usage = ("':L<layer>' keeps a layer in BF16, ':p<tokens>' spreads the calibration rows, ':g<size>.<layers>' "
-             "(e.g. g32.4-10.20) gives layers their own group size and ':c<tokens>' quantizes keys per channel over "
-             "pages of that many tokens (an oscar method only, e.g. default:L0:p2048:g32.7:c32)")
+             "(e.g. g32.4-10.20) gives layers their own group size, ':c<tokens>' quantizes keys per channel over "
+             "pages of that many tokens and ':d' (':d<c>', c in (0, 4]) debiases INT2 scores (an oscar method only, "
+             "e.g. default:L0:p2048:g32.7:c32:d)")
     for n in names:
         head, *tags = n.split(":")
         base[n], _, seq = head.partition("@")
@@ -235,9 +240,14 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         position_tags = [t for t in tags if t.startswith("p") and t[1:].isdigit()]
         group_tags = [t for t in tags if t.startswith("g")]
         channel_tags = [t for t in tags if t.startswith("c") and t[1:].isdigit() and int(t[1:]) >= 2]
-        channel_pages[n] = int(channel_tags[0][1:]) if channel_tags else None
-        if (len(layer_tags) + len(position_tags) + len(group_tags) + len(channel_tags) != len(tags)
-                or len(position_tags) > 1 or len(channel_tags) > 1
+        debias_tags = [t for t in tags if t.startswith("d") and _debias_value(t) is not None]
+        read_options[n] = {}
+        if channel_tags:
+            read_options[n].update(key_format="channel", page_size=int(channel_tags[0][1:]))
+        if debias_tags:
+            read_options[n]["score_debias"] = _debias_value(debias_tags[0])
+        if (len(layer_tags) + len(position_tags) + len(group_tags) + len(channel_tags) + len(debias_tags) != len(tags)
+                or len(position_tags) > 1 or len(channel_tags) > 1 or len(debias_tags) > 1
                 or (tags and base[n] in ("bf16", "kivi"))):
             raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, {usage}")
         try:
@@ -258,7 +268,16 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
             if g <= 0 or not layers:
                 raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, {usage}")
             group_sizes[n].update(dict.fromkeys(layers, g))
-    return base, seq_of, positions_of, bf16_layers, group_sizes, channel_pages
+    return base, seq_of, positions_of, bf16_layers, group_sizes, read_options
+
+
+def _debias_value(tag: str) -> float | None:
+    """``d`` -> 1.0, ``d0.5`` -> 0.5; None where the tag is not a debias tag in (0, 4]."""
+    try:
+        c = float(tag[1:]) if len(tag) > 1 else 1.0
+    except ValueError:
+        return None
+    return c if 0.0 < c <= 4.0 else None
 
 
 def _positions_arg(value: str):

@@ -86,10 +86,12 @@ def attention(
     k_chunk: Optional[Tensor] = None,
     v_chunk: Optional[Tensor] = None,
     chunk_positions: Optional[Tensor] = None,
+    debias: float = 0.0,
 ) -> Tensor:
     return attention_reference(
         q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
         query_transform, output_transform, value_mean, attn_mask, is_causal, scale, k_chunk, v_chunk, chunk_positions,
+        debias,
     )
 
 
@@ -97,11 +99,11 @@ def attention(
 def _attention_fake(
     q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
     query_transform, output_transform, value_mean, attn_mask, is_causal, scale, k_chunk=None, v_chunk=None,
-    chunk_positions=None,
+    chunk_positions=None, debias=0.0,
 ) -> Tensor:
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
     check_attention(q, positions, seq_lens, cache, query_transform, output_transform, value_mean, attn_mask, scale,
-                    k_chunk, v_chunk, chunk_positions)
+                    k_chunk, v_chunk, chunk_positions, debias)
     return q.new_empty(q.shape)  # contiguous, like the real output
 
 
@@ -136,7 +138,7 @@ def _attention_setup_context(ctx, inputs, output) -> None:
 def _attention_backward(ctx, grad):
     # q is the only input a model's weights reach with a gradient; store's outputs (k_chunk, v_chunk) get
     # none, so a backward never reaches oscar::store (a mutating op cannot have an autograd formula).
-    return (torch.ops.oscar.inference_only(grad),) + (None,) * 20
+    return (torch.ops.oscar.inference_only(grad),) + (None,) * 21
 
 
 torch.library.register_autograd("oscar::attention", _attention_backward, setup_context=_attention_setup_context)
@@ -185,10 +187,10 @@ def _register_triton_kernels() -> bool:
     @attention.register_kernel("cuda")
     def _attention_cuda(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring,
                         block_table, query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
-                        k_chunk=None, v_chunk=None, chunk_positions=None):
+                        k_chunk=None, v_chunk=None, chunk_positions=None, debias=0.0):
         args = (q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
                 query_transform, output_transform, value_mean, attn_mask, is_causal, scale, k_chunk, v_chunk,
-                chunk_positions)
+                chunk_positions, debias)
         if triton_supported(q.shape[-1], v_meta.shape[-1] // 2, _channel_page(k_codes, k_meta)):
             return attention_triton(*args)
         return attention_reference(*args)

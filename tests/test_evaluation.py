@@ -221,11 +221,15 @@ def test_gemma3_geometry_quantize_off_equals_eager_past_the_ring_gpu():
 def test_method_specs_read_sequence_layers_and_positions_per_method():
     from oscar_compile.cli import _method_specs
 
-    names = ["bf16", "default", "default:p0", "default@1024:L0:p2304", "kivi", "default:g32.4-6.9:g16.5", "default:c32"]
-    base, seq, positions, layers, groups, channel = _method_specs(names, 512, "auto")
-    assert base == {n: b for n, b in zip(names, ["bf16", "default", "default", "default", "kivi", "default", "default"])}
-    # ':c<tokens>': keys per channel over pages of that many tokens
-    assert channel["default:c32"] == 32 and channel["default"] is None
+    names = ["bf16", "default", "default:p0", "default@1024:L0:p2304", "kivi", "default:g32.4-6.9:g16.5", "default:c32",
+             "default:c64:d", "default:d0.5"]
+    base, seq, positions, layers, groups, options = _method_specs(names, 512, "auto")
+    assert base == {n: b for n, b in zip(names, ["bf16", "default", "default", "default", "kivi", "default", "default",
+                                                 "default", "default"])}
+    # ':c<tokens>': keys per channel over pages of that many tokens; ':d' / ':d<c>': debiased INT2 scores
+    assert options["default:c32"] == {"key_format": "channel", "page_size": 32} and options["default"] == {}
+    assert options["default:c64:d"] == {"key_format": "channel", "page_size": 64, "score_debias": 1.0}
+    assert options["default:d0.5"] == {"score_debias": 0.5}
     # ':g<size>.<layers>': layers with their own group size, the later tag winning for a layer named twice
     assert groups["default:g32.4-6.9:g16.5"] == {4: 32, 5: 16, 6: 32, 9: 32} and groups["default"] == {}
     assert seq["default"] == 512 and seq["default@1024:L0:p2304"] == 1024
@@ -233,7 +237,8 @@ def test_method_specs_read_sequence_layers_and_positions_per_method():
     assert positions["default"] == "auto" and positions["default:p0"] is None
     assert positions["default@1024:L0:p2304"] == 2304 and layers["default@1024:L0:p2304"] == (0,)
     for bad in ("default:p1:p2", "default:x3", "bf16:p0", "default@x", "default:g32", "default:g0.1", "default:gx.1",
-                "bf16:g32.1", "default:c1", "default:c32:c64", "kivi:c32", "default:cx"):
+                "bf16:g32.1", "default:c1", "default:c32:c64", "kivi:c32", "default:cx", "default:d5", "default:d:d",
+                "bf16:d", "default:dx"):
         with pytest.raises(SystemExit):
             _method_specs([bad], 512, "auto")
 

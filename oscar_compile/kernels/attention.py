@@ -18,6 +18,10 @@ Semantics, per sequence row ``b``:
 * ``k_chunk, v_chunk`` (optional, ``[B, T', H, d]``, what ``store`` returned) hold the newest tokens
   at ``chunk_positions`` exactly: those keys are read from them, not from the (maybe quantized)
   cache, so a prefill chunk attends to itself in full precision.
+* ``debias`` (``c``, 0 = off): an INT2 key's score is lowered by ``c var / 2``, ``var = scale^2 sum_c (q'_c
+  step_c)^2 / 12`` (``step``: the key's quantization step in channel ``c``), the variance of its rounding error
+  (uniform over a step). That error inflates ``exp(s)`` by ``exp(var / 2)`` on average, so without the correction
+  the INT2 keys take more of the attention than the exact keys would (``benchmarks/probe_key_noise.py``).
 * Output ``o = softmax(s) V' B_o + mu_v`` in the query's dtype. A padding query or a query with no
   visible key returns zeros (SDPA would return NaN there).
 """
@@ -35,11 +39,13 @@ _QUERY_CHUNK = 256
 
 
 def gather_history(
-    geo: CacheGeometry, codes, meta, sink, ring, block_table, lengths: torch.Tensor, max_len: int, kind: str
-) -> torch.Tensor:
+    geo: CacheGeometry, codes, meta, sink, ring, block_table, lengths: torch.Tensor, max_len: int, kind: str,
+    steps: bool = False,
+):
     """Read the stored (transformed) history of each row: ``[B, max_len, H, d]`` float32.
 
-    Positions at or past a row's length are zero (they are masked by the caller).
+    Positions at or past a row's length are zero (they are masked by the caller). ``steps``: also return each
+    element's quantization step (its scale; 0 where the row is BF16), same shape.
     """
     s, w, ps = geo.num_sinks, geo.window, geo.page_size
     nb = lengths.shape[0]
@@ -59,9 +65,14 @@ def gather_history(
         n_pages = min(-(-n_quantized // ps), geo.max_pages)
         pages = block_table[:nb, :n_pages].long().clamp(min=0)  # [B, P]; unowned -> masked below
         meta_rows = meta[pages].float()  # [B, P, ps, H, 2 groups] ([B, P, 1, H, 2d] for per-channel keys)
-        deq = dequantize_codes(fragment_order.read_page_codes(codes, pages, kind), *meta_rows.chunk(2, dim=-1),
-                               group_size=1 if kind == "k" and geo.key_channel else geo.group_size).flatten(1, 2)[:, :n_quantized]
+        group = 1 if kind == "k" and geo.key_channel else geo.group_size
+        codes_rows = fragment_order.read_page_codes(codes, pages, kind)
+        deq = dequantize_codes(codes_rows, *meta_rows.chunk(2, dim=-1), group_size=group).flatten(1, 2)[:, :n_quantized]
         out[:, s:s + deq.shape[1]] = deq
+        if steps:
+            step = torch.zeros_like(out)
+            scale = meta_rows[..., : meta_rows.shape[-1] // 2].repeat_interleave(group, -1)
+            step[:, s:s + deq.shape[1]] = scale.expand(codes_rows.shape[:-1] + (geo.head_dim,)).flatten(1, 2)[:, :n_quantized]
         # positions before every row's window read pages; from there on, a row's window reads its ring
         ring_from = s + geo.quantized_len(shortest)
         if w > 0 and ring_from < max_len:
@@ -69,11 +80,18 @@ def gather_history(
             ring_rows = ring[:nb][:, jr % w].float()  # ring slot = absolute position % ring length
             in_page = jr[None, :] < s + geo.quantized_len(lengths[:, None])
             out[:, ring_from:] = torch.where(in_page[..., None, None], out[:, ring_from:], ring_rows)
+            if steps:
+                step[:, ring_from:] = torch.where(in_page[..., None, None], step[:, ring_from:], 0.0)
     # where, not a product: a NaN in a slot the row does not own (another row's page, a stale token)
     # must not reach this row (NaN * 0 is NaN, and a masked NaN key still poisons its softmax row). Every row
     # owns the positions before the shortest row's length.
     valid = j[None, shortest:] < lengths[:, None]
     out[:, shortest:] = torch.where(valid[..., None, None], out[:, shortest:], 0.0)
+    if steps:
+        if max_len <= s or geo.drops_evicted:
+            step = torch.zeros_like(out)
+        step[:, shortest:] = torch.where(valid[..., None, None], step[:, shortest:], 0.0)
+        return out, step
     return out
 
 
@@ -99,11 +117,12 @@ def attention_reference(
     k_chunk: torch.Tensor | None = None,
     v_chunk: torch.Tensor | None = None,
     chunk_positions: torch.Tensor | None = None,
+    debias: float = 0.0,
 ) -> torch.Tensor:
     """Plain-PyTorch ``oscar::attention`` (the CPU implementation and the test oracle)."""
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
     geo = check_attention(q, positions, seq_lens, cache, query_transform, output_transform, value_mean, attn_mask, scale,
-                          k_chunk, v_chunk, chunk_positions)
+                          k_chunk, v_chunk, chunk_positions, debias)
     b, hq, t, d = q.shape
     h = geo.num_kv_heads
     g = hq // h
@@ -118,7 +137,9 @@ def attention_reference(
     if max_len == 0:
         return out.reshape(b, hq, t, d).to(q.dtype)
 
-    keys = gather_history(geo, k_codes, k_meta, k_sink, k_ring, block_table, lengths, max_len, "k")
+    keys = gather_history(geo, k_codes, k_meta, k_sink, k_ring, block_table, lengths, max_len, "k", steps=debias > 0)
+    if debias > 0:
+        keys, key_steps = keys
     values = gather_history(geo, v_codes, v_meta, v_sink, v_ring, block_table, lengths, max_len, "v")
     if k_chunk is not None:
         cpos = chunk_positions.long().expand(b, k_chunk.shape[1]) if chunk_positions.dim() == 1 else chunk_positions.long()
@@ -126,6 +147,8 @@ def attention_reference(
             sel = (cpos[row] >= 0) & (cpos[row] < lengths[row])
             keys[row, cpos[row][sel]] = k_chunk[row][sel].float()
             values[row, cpos[row][sel]] = v_chunk[row][sel].float()
+            if debias > 0:
+                key_steps[row, cpos[row][sel]] = 0.0
     qt = torch.einsum("bhgtd,hde->bhgte", q.float().reshape(b, h, g, t, d), query_transform.float())
     key_pos = torch.arange(max_len, device=q.device)
     visible_len = key_pos[None, :] < lengths[:, None]  # [B, L]
@@ -165,6 +188,11 @@ def attention_reference(
         has_key[:, :, :, t0:t1] = row_ok
         # Fully masked rows would give NaN: let them see everything, their output is zeroed below.
         keep = keep | ~row_ok[..., None]
+        if debias > 0:
+            # INT2 rounding noise of each score, var = scale^2 sum_c (q'_c step_c)^2 / 12, inflates exp(s) by
+            # exp(var / 2) on average: subtract it
+            var = torch.einsum("bhgtd,bjhd->bhgtj", qt[:, :, :, t0:t1].square(), key_steps.square()) * scale**2 / 12
+            bias = (0.0 if bias is None else bias) - debias * var / 2
         attn_mask = keep if bias is None else torch.where(keep, bias.masked_fill(~torch.isfinite(bias), 0.0), float("-inf"))
         q_rows = qt[:, :, :, t0:t1].reshape(b, h * g, n, d)  # query head h*G+g reads KV head h
         o = torch.nn.functional.scaled_dot_product_attention(

@@ -193,7 +193,7 @@ def check_store(k, v, positions, cache_tensors, key_transform, key_mean, value_t
 
 
 def check_attention(q, positions, seq_lens, cache_tensors, query_transform, output_transform, value_mean, attn_mask, scale,
-                    k_chunk=None, v_chunk=None, chunk_positions=None):
+                    k_chunk=None, v_chunk=None, chunk_positions=None, debias=0.0):
     geo = check_cache(*cache_tensors)
     if q.dim() != 4 or not q.is_floating_point():
         _fail(f"q must be a floating [batch, q_heads, tokens, head_dim] tensor, got {q.dtype} {tuple(q.shape)}")
@@ -219,6 +219,8 @@ def check_attention(q, positions, seq_lens, cache_tensors, query_transform, outp
             _fail(f"attn_mask must be bool or floating (additive), got {attn_mask.dtype}", TypeError)
     if not scale > 0:
         _fail(f"softmax scale must be positive, got {scale}")
+    if not 0.0 <= debias <= 4.0:
+        _fail(f"debias must be in [0, 4] (0 off, 1 removes the expected INT2 score noise), got {debias}")
     chunk = (k_chunk, v_chunk, chunk_positions)
     if any(x is not None for x in chunk):
         if any(x is None for x in chunk):

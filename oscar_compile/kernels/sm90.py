@@ -18,7 +18,7 @@ from triton.backends.compiler import GPUTarget
 # Integer arguments taken as not divisible by 16: those a kernel declares ``do_not_specialize`` (read from
 # the kernel) and these, rarely multiples of 16 at a launch; every other one (strides) is taken as one.
 NOT_DIVISIBLE = {"sc_s", "sm_s", "sm_h", "MAX_PAGES", "NH"}
-FLOATS = {"qk_scale", "kclip_frac", "vclip_frac"}
+FLOATS = {"qk_scale", "kclip_frac", "vclip_frac", "debias"}
 
 ATTENTION_POINTERS = {
     "qq_ptr": "*fp16", "pos_ptr": "*i64", "len_ptr": "*i64", "c0_ptr": "*i64", "cend_ptr": "*i64",
@@ -72,10 +72,10 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4, num_s
 
 def compile_attention(d=128, g=4, block_m=16, block_n=128, region=0, prefill=False, unpack="asm", ablate=0,
                       num_warps=4, num_stages=2, ng=1, mask_kind=0, maxnreg=None, causal=None, frag=True,
-                      mask_bounds=False, kch=False, ps=16):
+                      mask_bounds=False, kch=False, ps=16, debias=False):
     from .triton_attention import _attn_kernel
 
-    const = dict(H=8, G=g, D=d, NG=ng, PS=ps, HAS_RING=True, KCH=kch, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=prefill if causal is None else causal,
+    const = dict(H=8, G=g, D=d, NG=ng, PS=ps, HAS_RING=True, KCH=kch, DEBIAS=debias, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=prefill if causal is None else causal,
                  MASK_KIND=mask_kind, HAS_CHUNK=prefill, DT=tl.float16, KC=min(d, 64), ALIGNED=True, ABLATE=ablate,
                  USE_ASM=unpack == "asm", REGION=region, FRAG=frag and d % 64 == 0, DENSE_CHUNK=prefill,
                  CDT=tl.bfloat16 if prefill else tl.float16, MASK_BOUNDS=mask_bounds)
@@ -214,6 +214,11 @@ def extra_variants() -> dict:
         "pages, 2 warps": lambda: compile_attention(d=128, block_m=16, region=0, num_warps=2),
         "store, 2 groups, no clip": lambda: compile_store(d=128, ng=2, clip=False),
         "store, logical order": lambda: compile_store(d=128, frag=False),
+        "decode pages, debiased scores": lambda: compile_attention(d=128, block_m=16, region=0, debias=True),
+        "decode pages, 2 groups, debiased scores": lambda: compile_attention(d=128, block_m=16, region=0, ng=2,
+                                                                              debias=True),
+        "decode pages, per-channel keys, debiased scores": lambda: compile_attention(
+            d=128, block_m=16, block_n=32, region=0, kch=True, ps=32, debias=True),
         "pages, logical order": lambda: compile_attention(d=128, block_m=16, region=0, frag=False),
     }
 

@@ -238,29 +238,40 @@ def _meta(meta):
 
 
 @triton.jit
-def _dequant_dot_keys(qq, qsum, kw, km, BLOCK_N: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, DT: tl.constexpr,
-                      USE_ASM: tl.constexpr):
-    """Scores ``q' . k_hat`` for a block of INT2 keys (scaled query ``qq`` in unpacked order, ``qsum = sum(q')``)."""
+def _dequant_dot_keys(qq, qsum, qsq, kw, km, debias, BLOCK_N: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
+                      DT: tl.constexpr, USE_ASM: tl.constexpr, DEBIAS: tl.constexpr = False):
+    """Scores ``q' . k_hat`` for a block of INT2 keys (scaled query ``qq`` in unpacked order, ``qsum = sum(q')``).
+    ``DEBIAS``: minus ``debias * sum_c (q'_c step_c)^2`` (``qsq = sum(q'^2)``; ``debias`` carries the constants)."""
     sc, mn = _meta(km)
     codes = _unpack_words(kw, BLOCK_N, D, DT, USE_ASM)
     if NG == 1:  # one (scale, min) per key: dequantize after the dot, per key
         s = tl.dot(qq, tl.trans(codes))
         s = s * sc[None, :] + qsum[:, None] * mn[None, :]
+        if DEBIAS:
+            s -= debias * qsq[:, None] * (sc * sc)[None, :]
     else:
         x = codes.to(tl.float32) * sc + mn
         s = tl.dot(qq, tl.trans(x.to(DT)))
+        if DEBIAS:
+            qf = qq.to(tl.float32)
+            s -= debias * tl.dot(qf * qf, tl.trans(sc * sc), input_precision="tf32")
     return s
 
 
 @triton.jit
-def _dequant_dot_key_channels(qq, kw, sc, mn, BLOCK_N: tl.constexpr, D: tl.constexpr, DT: tl.constexpr,
-                              USE_ASM: tl.constexpr):
+def _dequant_dot_key_channels(qq, kw, sc, mn, debias, BLOCK_N: tl.constexpr, D: tl.constexpr, DT: tl.constexpr,
+                              USE_ASM: tl.constexpr, DEBIAS: tl.constexpr = False):
     """Scores for a block of one page's per-channel INT2 keys: ``q'.k_hat = (q' * scale) . c + q' . min`` (the
-    page's scale folded into the query, once a block, so the inner product stays one ``tl.dot`` on the codes)."""
+    page's scale folded into the query, once a block, so the inner product stays one ``tl.dot`` on the codes).
+    ``DEBIAS``: minus ``debias * sum_c (q'_c scale_c)^2``, one value a query row for the whole page."""
     codes = _unpack_words(kw, BLOCK_N, D, DT, USE_ASM)
     qf = qq.to(tl.float32)
-    s = tl.dot((qf * sc[None, :]).to(DT), tl.trans(codes))
-    return s + tl.sum(qf * mn[None, :], 1)[:, None]
+    qs = qf * sc[None, :]
+    s = tl.dot(qs.to(DT), tl.trans(codes))
+    bias = tl.sum(qf * mn[None, :], 1)
+    if DEBIAS:
+        bias -= debias * tl.sum(qs * qs, 1)
+    return s + bias[:, None]
 
 
 @triton.jit
@@ -397,13 +408,13 @@ def _attn_kernel(
     sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
     mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
     part_m_ptr, part_l_ptr, part_o_ptr,
-    M_TOTAL, keys_per_split, bf16_per_split, S, W, NSPLIT, NS, mb_ptr, smb_b, skm_p, skm_h,
+    M_TOTAL, keys_per_split, bf16_per_split, S, W, NSPLIT, NS, mb_ptr, smb_b, skm_p, skm_h, debias,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, PS: tl.constexpr, HAS_RING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_CHUNK: tl.constexpr, DT: tl.constexpr, KC: tl.constexpr, ALIGNED: tl.constexpr, ABLATE: tl.constexpr,
     USE_ASM: tl.constexpr, REGION: tl.constexpr, FRAG: tl.constexpr, DENSE_CHUNK: tl.constexpr = False,
     CDT: tl.constexpr = tl.float16, SKIP_EMPTY: tl.constexpr = True, MASK_BOUNDS: tl.constexpr = False,
-    KCH: tl.constexpr = False,
+    KCH: tl.constexpr = False, DEBIAS: tl.constexpr = False,
 ):
     """One split of one row block: REGION 0 = INT2 pages (splits ``0 .. NSPLIT-1``), 1 = BF16 keys
     (splits ``NSPLIT ..``). Two launches, so each region's code gets registers of its own.
@@ -428,6 +439,7 @@ def _attn_kernel(
         uperm = _channel_of(dcol, D, FRAG)
         qq = tl.load(qrow + uperm[None, :], mask=row_ok[:, None], other=0.0)
         qsum = tl.sum(qq.to(tl.float32), 1)
+        qsq = tl.sum(qq.to(tl.float32) * qq.to(tl.float32), 1)  # for DEBIAS (unused otherwise: compiled away)
         # ---------------- INT2 pages: keys [lo, hi) of the page region.
         # Software pipelined by hand: while block i is computed, block i+1's codes and metadata are
         # in flight, and so is block i+2's block-table entry (loads issue without waiting; only a use
@@ -454,9 +466,9 @@ def _attn_kernel(
             if ABLATE == 2 or ABLATE == 4:  # no key unpacking and dot (4: nothing but the loads)
                 s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum((kw & 1).to(tl.float32), 1)[None, :]
             elif KCH:
-                s = _dequant_dot_key_channels(qq, kw, ksc, kmn, BLOCK_N, D, DT, USE_ASM)
+                s = _dequant_dot_key_channels(qq, kw, ksc, kmn, debias, BLOCK_N, D, DT, USE_ASM, DEBIAS)
             else:
-                s = _dequant_dot_keys(qq, qsum, kw, km, BLOCK_N, D, NG, DT, USE_ASM)
+                s = _dequant_dot_keys(qq, qsum, qsq, kw, km, debias, BLOCK_N, D, NG, DT, USE_ASM, DEBIAS)
             s = _visible(s, j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len,
                          IS_CAUSAL, MASK_KIND)
             p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
@@ -1134,7 +1146,7 @@ def channel_pages_supported(page_size: int) -> bool:
 
 def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring,
                      block_table, query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
-                     k_chunk=None, v_chunk=None, chunk_positions=None, block_n: int | None = None,
+                     k_chunk=None, v_chunk=None, chunk_positions=None, debias: float = 0.0, block_n: int | None = None,
                      splits: int | None = None, num_warps: int | None = None, num_stages: int = 2,
                      dot_dtype: torch.dtype = torch.float16, ablate: int = 0, unpack: str | None = None,
                      maxnreg: int | None = None, page_warps: int | None = None, bf16_warps: int | None = None,
@@ -1150,7 +1162,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     """
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
     geo = check_attention(q, positions, seq_lens, cache, query_transform, output_transform, value_mean, attn_mask,
-                          scale, k_chunk, v_chunk, chunk_positions)
+                          scale, k_chunk, v_chunk, chunk_positions, debias)
     b, hq, t, d = q.shape
     if geo.key_channel and not channel_pages_supported(geo.page_size):
         raise ValueError(f"oscar: the Triton attention reads per-channel keys in pages of 16, 32, 64, ... tokens (a "
@@ -1185,7 +1197,8 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     else:
         mask, mask_kind, mask_len = None, 0, 0
     key_mask = None  # the bool mask itself, where the fused prefill reads it as intervals (mask_kind 3)
-    kernel = "triton" if ablate else choose_page_kernel(q, geo, k_codes, k_meta, t, mask_kind, dot_dtype, page_kernel)
+    kernel = "triton" if ablate or debias > 0 else choose_page_kernel(q, geo, k_codes, k_meta, t, mask_kind, dot_dtype,
+                                                                       page_kernel)  # Gluon: no debias
     tiles = plan_tiles(b, hq, t, geo, dev, block_n, splits, temp_budget, chunk_len=chunk_len, page_kernel=kernel)
     if dense_chunk is not None and has_chunk and not ablate:  # forced either way (tests, measurements)
         every = triton.cdiv(geo.num_sinks + geo.window + (0 if dense_chunk else chunk_len), BF16_BLOCK_N) * BF16_BLOCK_N
@@ -1217,7 +1230,9 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     prefix = None
     # 16-bit chunks only: 32-bit rows staged through shared memory by two pipelined loops do not fit it at d = 256
     # (360 KB for fp32 on the H200); fp32 caches (the CPU's, tests) keep the split launches
-    if gather_prefix is not False and not ablate and (gather_prefix or (tiles[0][1].nc and kch.element_size() == 2)):
+    # debiased scores need each INT2 key's step: the page kernel has it, the gathered (dequantized) rows do not
+    if gather_prefix is not False and not ablate and not debias > 0 and (
+            gather_prefix or (tiles[0][1].nc and kch.element_size() == 2)):
         # rows in the chunk's 16-bit type, so both loops of the fused launch feed the tensor cores without conversion
         rows_dtype = kch.dtype if kch.dtype in (torch.bfloat16, torch.float16) else dot_dtype
         prefix = _gathered_prefix(geo, lens, c0, has_chunk, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring,
@@ -1252,7 +1267,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      k_sink, v_sink, k_ring, v_ring, block_table, tmask, mask_kind, mask_len, bq, bo, muv, is_causal,
                      scale, qq, part_m, part_l, part_o, out[:, :, t0:t1], geo, h, g, d, dt, use_asm, aligned, ablate,
                      num_warps, num_stages, maxnreg, page_warps, bf16_warps, has_chunk, frag, chunk_block_m,
-                     chunk_warps)
+                     chunk_warps, debias)
     return out
 
 
@@ -1357,7 +1372,7 @@ def _launch_prefill_tile(plan, q, pos, lens, c0, c_end, kch, vch, prefix, mask, 
 def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring,
                  block_table, mask, mask_kind, mask_len, bq, bo, muv, is_causal, scale, qq, part_m, part_l, part_o,
                  out, geo, h, g, d, dt, use_asm, aligned, ablate, num_warps, num_stages, maxnreg, page_warps, bf16_warps,
-                 has_chunk, frag, chunk_block_m=None, chunk_warps=None):
+                 has_chunk, frag, chunk_block_m=None, chunk_warps=None, debias=0.0):
     """The launches of one query tile: rotate queries, page region (Gluon or Triton), BF16 keys, the chunk's own
     keys (prefill), merge."""
     b = q.shape[0]
@@ -1386,12 +1401,12 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
         q if mask is None else mask, smk[0], smk[1], smk[2], smk[3], mask_len,
         part_m, part_l, part_o, m_total, plan.keys_per_split, plan.bf16_per_split, geo.num_sinks, geo.window,
         plan.nsplit, ns, lens if bounds is None else bounds, 0 if bounds is None else bounds.stride(0),
-        k_meta.stride(0), k_meta.stride(2),
+        k_meta.stride(0), k_meta.stride(2), debias / (24 * LOG2E),  # q' carries scale * log2(e): see DEBIAS
     )
     meta = dict(H=h, G=g, D=d, NG=geo.num_groups, PS=geo.page_size, HAS_RING=geo.window > 0,
                 IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_CHUNK=has_chunk, DT=dt, KC=min(d, 64),
                 ALIGNED=aligned, ABLATE=ablate, USE_ASM=use_asm, FRAG=frag, num_stages=num_stages,
-                KCH=geo.key_channel)
+                KCH=geo.key_channel, DEBIAS=debias > 0)
     page_opts = {"maxnreg": maxnreg} if maxnreg else {}  # a register cap trades spills for CTAs per SM
     # warps: page_warps for the page region alone, else num_warps for both regions, else the heuristic
     page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, plan.page_m_blocks, plan.page_m, q.device)

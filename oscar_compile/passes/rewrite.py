@@ -119,7 +119,8 @@ def rewrite(
             attn = graph.call_function(
                 torch.ops.oscar.attention.default,
                 (m.query, q_positions, seq_lens, *cache_nodes, t_nodes["query_transform"], t_nodes["output_transform"],
-                 t_nodes["value_mean"], mask, bool(m.is_causal), float(m.scale), k_chunk, v_chunk, positions),
+                 t_nodes["value_mean"], mask, bool(m.is_causal), float(m.scale), k_chunk, v_chunk, positions,
+                 float(cache.score_debias)),
             )
         m.sdpa.replace_all_uses_with(attn)
         graph.erase_node(m.sdpa)
