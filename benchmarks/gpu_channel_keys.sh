@@ -6,7 +6,7 @@
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/oscar-gpu}
 mkdir -p "$OUT"
 ( timeout "${GATE_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_key_channel.py \
-    tests/test_key_channel.py -k "gpu or small or cuda or choice or debias" > "$OUT/channel_tests.log" 2>&1 ) &
+    tests/test_key_channel.py -k "gpu or small or cuda or choice or debias or graph" > "$OUT/channel_tests.log" 2>&1 ) &
 GATE_TIMEOUT=${GATE_TIMEOUT:-420} bash "$(dirname "$0")/gpu_gate.sh" > "$OUT/gate.log" 2>&1
 wait
 echo "== per-channel key tests"; grep -E "passed|failed|Error|FAILED" "$OUT/channel_tests.log" | tail -12
