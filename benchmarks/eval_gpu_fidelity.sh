@@ -7,8 +7,8 @@
 #   with the calibration rows all at position 0.
 # all: short and long at once (for two models the five processes outgrew the H200's 139 GiB on 2026-12-05 and the
 #   long runs died: run short, then long). long: each model's 8K (64 x 128) and, where the model serves it, 32K (20 x 128), with retrieval at that length.
-# keys: per-token against per-channel keys over pages of 32 and 64 tokens (`default:c32`, `default:c64`; the PyTorch
-#   reference ops on CUDA, no Triton kernel yet), 2K (256 x 64) and 8K (64 x 128), retrieval at 24 prompts a length.
+# keys: per-token against per-channel keys over pages of 32 and 64 tokens (`default:c32`, `default:c64`; the
+#   Triton kernels since 2026-12-05), 2K (256 x 64) and 8K (64 x 128), retrieval at 24 prompts a length.
 # Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU)
 # staged with `eval_gpu.sh stage` (see that script). The evals stop after LIMIT seconds (default 540, under the call's
 # 600) and what they measured is packed into OUT/results.tgz: a call brings back at most 8 files.
