@@ -416,10 +416,10 @@ def test_gluon_decode_plan_fills_one_wave(batch, max_len):
 def _row_subset(args: tuple, rows: list[int]) -> tuple:
     """``attention_args`` restricted to some batch rows (rows are independent; the page pools are shared)."""
     (q, pos, lens, kc, km, vc, vm, ks, vs, kr, vr, bt, *rest) = args
-    *mid, kch, vch, cpos = rest
+    *mid, kch, vch, cpos, debias = rest
     sel = lambda x: x if x is None or x.dim() == 1 and x is not lens else x[rows]  # noqa: E731  ([T] positions: shared)
     return (q[rows], sel(pos), sel(lens), kc, km, vc, vm, ks[rows], vs[rows], kr[rows], vr[rows], bt[rows],
-            *mid, sel(kch), sel(vch), sel(cpos))
+            *mid, sel(kch), sel(vch), sel(cpos), debias)
 
 
 @pytest.mark.gpu
