@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .kernels.attention import attention_reference
-from .kernels.checks import check_attention, check_store, is_channel_key_meta
+from .kernels.checks import channel_pages_supported, check_attention, check_store, is_channel_key_meta
 from .kernels.store import store_reference
 
 CACHE_ARG_NAMES = ("k_codes", "k_meta", "v_codes", "v_meta", "k_sink", "v_sink", "k_ring", "v_ring", "block_table")
@@ -148,7 +148,7 @@ def triton_supported(head_dim: int, num_groups: int, channel_page: int = 0) -> b
     """Shapes the Triton kernels take (tl.dot needs d/4 >= 16; tl.arange needs powers of two). ``channel_page``:
     the page size of a cache with per-channel keys (0: per-token keys), whose pages must hold 16, 32, ... tokens."""
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
-    return head_dim in (64, 128, 256) and pow2(num_groups) and (channel_page == 0 or (channel_page >= 16 and pow2(channel_page)))
+    return head_dim in (64, 128, 256) and pow2(num_groups) and (channel_page == 0 or channel_pages_supported(channel_page))
 
 
 def _channel_page(k_codes: Tensor, k_meta: Tensor) -> int:

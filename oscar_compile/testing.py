@@ -147,6 +147,54 @@ def decode_against_oracle(cache: PagedInt2KVCache, oracle: CacheOracle, lengths:
     return lengths, worst
 
 
+def replay_decode_in_cuda_graph(ref: PagedInt2KVCache, got: PagedInt2KVCache, prefill: int, steps: int, q_heads: int,
+                                tol: float, seed: int = 0) -> None:
+    """Twin caches on CUDA (:func:`twin_caches`): ``prefill`` random tokens a row, then ``steps`` decode steps whose
+    Triton store + attention on ``got`` are captured once in a CUDA graph (after one eager step, which compiles the
+    kernels) and replayed; every step is checked against the reference ops on ``ref`` (relative error < ``tol``).
+    A degenerating kernel, or one that reads back to the host, fails here."""
+    from .kernels.attention import attention_reference
+    from .kernels.store import store_reference
+    from .kernels.triton_attention import attention_triton
+    from .kernels.triton_store import store_triton
+
+    batch, h, d, dt = ref.max_batch_size, ref.num_kv_heads, ref.head_dim, ref.dtype
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k, v = (torch.randn(batch, h, prefill, d, device="cuda", generator=gen, dtype=dt) for _ in range(2))
+    pos = torch.arange(prefill, device="cuda")
+    store_reference(*ref.store_args(0, k, v, pos))
+    store_triton(*got.store_args(0, k, v, pos))
+    # static buffers the graph reads; refilled before every replay
+    p1 = torch.full((batch, 1), prefill, device="cuda", dtype=torch.long)
+    k1 = torch.empty(batch, h, 1, d, device="cuda", dtype=dt)
+    v1, q1 = torch.empty_like(k1), torch.empty(batch, q_heads, 1, d, device="cuda", dtype=dt)
+
+    def refill():
+        for x in (k1, v1, q1):
+            x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+
+    def step():
+        store_triton(*got.store_args(0, k1, v1, p1))
+        return attention_triton(*got.attention_args(0, q1, p1, p1[:, 0] + 1))
+
+    def check(out):
+        store_reference(*ref.store_args(0, k1, v1, p1))
+        err = rel_error(out, attention_reference(*ref.attention_args(0, q1, p1, p1[:, 0] + 1)))
+        assert err < tol, (int(p1[0, 0]), err)
+
+    refill()
+    check(step())  # step 0 eagerly: compiles the kernels
+    p1 += 1
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # recorded, not run
+        graph_out = step()
+    for _ in range(1, steps):
+        refill()
+        graph.replay()
+        check(graph_out)
+        p1 += 1
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     ref = ref.double()
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()

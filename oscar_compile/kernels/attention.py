@@ -53,6 +53,7 @@ def gather_history(
     j = torch.arange(max_len, device=dev)
     shortest = int(lengths.min()) if nb else max_len  # one host sync; the caller already made one (max_len)
     out = torch.zeros(nb, max_len, geo.num_kv_heads, geo.head_dim, dtype=torch.float32, device=dev)
+    step = torch.zeros_like(out) if steps else None
     n_sink = min(s, max_len)
     out[:, :n_sink] = sink[:nb, :n_sink].float()
     if max_len > s and geo.drops_evicted:  # no pages: only the ring (the caller hides dropped positions)
@@ -70,7 +71,6 @@ def gather_history(
         deq = dequantize_codes(codes_rows, *meta_rows.chunk(2, dim=-1), group_size=group).flatten(1, 2)[:, :n_quantized]
         out[:, s:s + deq.shape[1]] = deq
         if steps:
-            step = torch.zeros_like(out)
             scale = meta_rows[..., : meta_rows.shape[-1] // 2].repeat_interleave(group, -1)
             step[:, s:s + deq.shape[1]] = scale.expand(codes_rows.shape[:-1] + (geo.head_dim,)).flatten(1, 2)[:, :n_quantized]
         # positions before every row's window read pages; from there on, a row's window reads its ring
@@ -88,8 +88,6 @@ def gather_history(
     valid = j[None, shortest:] < lengths[:, None]
     out[:, shortest:] = torch.where(valid[..., None, None], out[:, shortest:], 0.0)
     if steps:
-        if max_len <= s or geo.drops_evicted:
-            step = torch.zeros_like(out)
         step[:, shortest:] = torch.where(valid[..., None, None], step[:, shortest:], 0.0)
         return out, step
     return out

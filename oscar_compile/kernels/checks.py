@@ -144,6 +144,12 @@ def is_channel_key_meta(k_codes: torch.Tensor, k_meta: torch.Tensor) -> bool:
     return k_codes.dim() == 4 and k_meta.dim() == 4 and k_codes.shape[1] > 1 and k_meta.shape[1] == 1
 
 
+def channel_pages_supported(page_size: int) -> bool:
+    """Page sizes the Triton kernels take with per-channel keys: powers of two of at least 16 (a page-region block
+    of 16+ keys, ``tl.dot``'s least, lies within one page)."""
+    return page_size >= 16 and page_size & (page_size - 1) == 0
+
+
 def check_positions(positions: torch.Tensor, batch: int, tokens: int) -> None:
     if positions.dtype not in (torch.int32, torch.int64):
         _fail(f"positions must be int32 or int64, got {positions.dtype}", TypeError)

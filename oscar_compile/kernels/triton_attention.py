@@ -52,7 +52,8 @@ import triton
 import triton.language as tl
 
 from . import fragment_order
-from .checks import check_attention
+from .checks import channel_pages_supported, check_attention
+from .triton_store import whole_pages_len
 
 log = logging.getLogger("oscar_compile.kernels")
 
@@ -89,7 +90,7 @@ def _page_end(length, c0, S, W, PS: tl.constexpr, KCH: tl.constexpr):
     """End of the INT2 keys a row reads, ``[S, page_end)``: its page tokens (:func:`checks.quantized_len`; ``W`` the
     ring's length, whole pages with per-channel keys, ``KCH``), never past the chunk's first position ``c0``."""
     if KCH:
-        q_end = S + tl.maximum(length - S - (W - PS + 1), 0) // PS * PS
+        q_end = S + whole_pages_len(length, S, W - PS + 1, PS)
     else:
         q_end = length - W
     return tl.maximum(tl.minimum(q_end, c0), S)
@@ -1138,12 +1139,6 @@ def plan_tiles(b: int, hq: int, t: int, geo, device, block_n: int | None = None,
     return tiles
 
 
-def channel_pages_supported(page_size: int) -> bool:
-    """Page sizes the Triton kernels take with per-channel keys: powers of two of at least 16 (a page-region block
-    of 16+ keys, ``tl.dot``'s least, lies within one page)."""
-    return page_size >= 16 and page_size & (page_size - 1) == 0
-
-
 def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring,
                      block_table, query_transform, output_transform, value_mean, attn_mask, is_causal, scale,
                      k_chunk=None, v_chunk=None, chunk_positions=None, debias: float = 0.0, block_n: int | None = None,
@@ -1167,8 +1162,6 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     if geo.key_channel and not channel_pages_supported(geo.page_size):
         raise ValueError(f"oscar: the Triton attention reads per-channel keys in pages of 16, 32, 64, ... tokens (a "
                          f"block of keys is one page's), got pages of {geo.page_size}")
-    if geo.key_channel and block_n:
-        block_n = min(block_n, geo.page_size)
     h = geo.num_kv_heads
     g = hq // h
     dev = q.device

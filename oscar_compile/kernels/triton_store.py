@@ -254,7 +254,7 @@ def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
 
 
 @triton.jit
-def _quantized_len(length, S, WE, PS: tl.constexpr):
+def whole_pages_len(length, S, WE, PS: tl.constexpr):
     """Page tokens of a row holding ``length`` tokens (:func:`checks.quantized_len`, whole pages)."""
     return tl.maximum(length - S - WE, 0) // PS * PS
 
@@ -280,26 +280,31 @@ def _flush_pages_kernel(kout_ptr, vout_ptr, so_b, so_t, so_h, tmap_ptr, stm_b, f
                         sc_p, sc_s, sc_h, skm_p, skm_h, svm_p, svm_s, svm_h, sr_b, sr_t, sr_h,
                         vclip_lo, vclip_frac, S, W, WE, MAX_PAGES, NUM_PAGES, NH,
                         PS: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, V_CLIP: tl.constexpr,
-                        FRAG: tl.constexpr):
+                        FRAG: tl.constexpr, HAS_TMAP: tl.constexpr = True):
     """Per-channel keys: the pages this call completes, one page of one row, head and side a program.
 
     A row holding ``L`` tokens keeps ``quantized_len(L)`` of them in pages (whole pages). The pages between the
     row's count before the call (``first`` tokens) and after it (``last + 1``) are written now, from their
     tokens' cache-dtype rows: those of earlier calls still in the ring (it holds ``W = WE + PS - 1``), the rest
-    from this call's transformed chunk (``tmap``: position - first -> chunk index). Runs before the ring takes
-    this call's tokens (:func:`_ring_kernel`), which may overwrite the slots read here."""
+    from this call's transformed chunk (``tmap``: position - first -> chunk index; without ``HAS_TMAP``, a decode
+    step, the chunk is its one token). Runs before the ring takes this call's tokens (:func:`_ring_kernel`), which
+    may overwrite the slots read here."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(2) % NH
     first = tl.load(first_ptr + b).to(tl.int64)
     last = tl.load(last_ptr + b).to(tl.int64)
     if last >= 0:  # a row of padding only writes nothing
-        lo = _quantized_len(first, S, WE, PS)
+        lo = whole_pages_len(first, S, WE, PS)
         j0 = lo + tl.program_id(1) * PS
-        if j0 < _quantized_len(last + 1, S, WE, PS):
+        if j0 < whole_pages_len(last + 1, S, WE, PS):
             j = j0 + tl.arange(0, PS)  # quantized indices of the page's tokens
             q = S + j  # their positions
             from_ring = q < first
-            t = tl.load(tmap_ptr + b * stm_b + tl.where(from_ring, 0, q - first), mask=~from_ring, other=0).to(tl.int64)
+            if HAS_TMAP:
+                t = tl.load(tmap_ptr + b * stm_b + tl.where(from_ring, 0, q - first), mask=~from_ring,
+                            other=0).to(tl.int64)
+            else:
+                t = tl.zeros([PS], tl.int64)
             if tl.program_id(2) < NH:
                 _flush_side(kout_ptr, so_b, so_t, so_h, kr_ptr, sr_b, sr_t, sr_h, kc_ptr, km_ptr, bt_ptr, stride_bt_b,
                             b, h, t, from_ring, q, j, sc_p, sc_s, sc_h, skm_p, 0, skm_h, 0, 0.0, W, MAX_PAGES,
@@ -322,7 +327,7 @@ def _ring_kernel(kout_ptr, vout_ptr, so_b, so_t, so_h, pos_ptr, sp_b, last_ptr, 
     h = tl.program_id(1) % NH
     p = tl.load(pos_ptr + b * sp_b + t, mask=inb, other=-1).to(tl.int64)
     last = tl.load(last_ptr + b, mask=inb, other=0).to(tl.int64)
-    ring_final = (inb & (p >= S + _quantized_len(last + 1, S, WE, PS)))[:, None]
+    ring_final = (inb & (p >= S + whole_pages_len(last + 1, S, WE, PS)))[:, None]
     col = tl.arange(0, D)[None, :]
     src = b[:, None] * so_b + t[:, None] * so_t + h * so_h + col
     dst = b[:, None] * sr_b + tl.where(ring_final, p[:, None] % W, 0) * sr_t + h * sr_h + col
@@ -390,11 +395,12 @@ def _store_pages_then_ring(geo, pos, first, last, k_out, v_out, k_codes, k_meta,
     then the ring (two launches: a page may read a ring slot that this call's tokens overwrite)."""
     b, t, h, d = k_out.shape
     ps = geo.page_size
-    valid = pos >= 0
-    # chunk index of each new position (position - first): padding may sit anywhere in a row
-    tmap = torch.zeros(b, t + 1, dtype=torch.int32, device=pos.device)
-    idx = torch.where(valid, pos - first[:, None], t).long().clamp_(0, t)  # consecutive: < t
-    tmap.scatter_(1, idx, torch.arange(t, dtype=torch.int32, device=pos.device).expand(b, t).contiguous())
+    if t > 1:  # chunk index of each new position (position - first): padding may sit anywhere in a row
+        tmap = torch.zeros(b, t + 1, dtype=torch.int32, device=pos.device)
+        idx = torch.where(pos >= 0, pos - first[:, None], t).long().clamp_(0, t)  # consecutive: < t
+        tmap.scatter_(1, idx, torch.arange(t, dtype=torch.int32, device=pos.device).expand(b, t).contiguous())
+    else:  # a decode step's chunk is its one token: no map (four fewer launches a layer and step)
+        tmap = pos
     LAST_LAUNCH["flush"] = _flush_pages_kernel[(b, triton.cdiv(t, ps), 2 * h)](
         k_out, v_out, k_out.stride(0), k_out.stride(1), k_out.stride(2), tmap, tmap.stride(0), first, last,
         k_codes, k_meta, v_codes, v_meta, k_ring, v_ring, bt, bt.stride(0),
@@ -402,7 +408,7 @@ def _store_pages_then_ring(geo, pos, first, last, k_out, v_out, k_codes, k_meta,
         v_meta.stride(0), v_meta.stride(1), v_meta.stride(2), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
         vclip_lo, vclip_frac, geo.num_sinks, geo.window, geo.evict_window, geo.max_pages, geo.num_pages, h,
         PS=ps, D=d, NG=geo.num_groups, V_CLIP=v_clip, FRAG=fragment_order.in_fragment_order(k_codes),
-        num_warps=8 if d * ps >= 8192 else 4,
+        HAS_TMAP=t > 1, num_warps=8 if d * ps >= 8192 else 4,
     )
     block_t = 16
     _ring_kernel[(triton.cdiv(b * t, block_t), 2 * h)](

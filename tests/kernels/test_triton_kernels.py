@@ -31,7 +31,7 @@ from oscar_compile.kernels.triton_attention import (
 )
 from oscar_compile.kernels.triton_store import store_triton
 from oscar_compile.quant import dequantize_int2
-from oscar_compile.testing import rel_error, twin_caches
+from oscar_compile.testing import rel_error, replay_decode_in_cuda_graph, twin_caches
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ATTN_TOL = 5e-3
@@ -618,39 +618,5 @@ def test_4000_step_decode_with_cuda_graph_replay():
     h, gqa, d, batch, steps, prefill = 8, 4, 128, 2, 4000, 100
     ref, got = twin_caches(h, d, batch, prefill + steps + 1, 64, 256, 16, None, torch.bfloat16, "orthogonal", 0.95,
                            device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    k, v = (torch.randn(batch, h, prefill, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
-    pos = torch.arange(prefill, device="cuda")
-    store_reference(*ref.store_args(0, k, v, pos))
-    store_triton(*got.store_args(0, k, v, pos))
-    # static buffers the graph reads; refilled before every replay
-    p1 = torch.full((batch, 1), prefill, device="cuda", dtype=torch.long)
-    k1 = torch.empty(batch, h, 1, d, device="cuda", dtype=torch.bfloat16)
-    v1, q1 = torch.empty_like(k1), torch.empty(batch, h * gqa, 1, d, device="cuda", dtype=torch.bfloat16)
-
-    def refill():
-        for x in (k1, v1, q1):
-            x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
-
-    def step():
-        store_triton(*got.store_args(0, k1, v1, p1))
-        return attention_triton(*got.attention_args(0, q1, p1, p1[:, 0] + 1))
-
-    def check(out):
-        store_reference(*ref.store_args(0, k1, v1, p1))
-        err = rel_error(out, attention_reference(*ref.attention_args(0, q1, p1, p1[:, 0] + 1)))
-        assert err < ATTN_TOL, (int(p1[0, 0]), err)
-        return err
-
-    refill()
-    worst = check(step())  # step 0 eagerly: compiles the kernels
-    p1 += 1
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # recorded, not run
-        graph_out = step()
-    for _ in range(1, steps):
-        refill()
-        graph.replay()
-        worst = max(worst, check(graph_out))
-        p1 += 1
+    replay_decode_in_cuda_graph(ref, got, prefill, steps, h * gqa, ATTN_TOL)
     _assert_same_cache(ref, got)
