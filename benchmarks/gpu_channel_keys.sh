@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Per-channel keys (key_format="channel") on the GPU, in one device call: their tests, the gate of every other GPU test
 # (the page kernels they share changed), then decode attention and store timings of both key formats (d = 128, pages
-# of 32 for per-channel keys, 16 per token) against the fastest BF16 SDPA backend of the same run.
+# of 32 for per-channel keys, 16 per token) against the fastest BF16 SDPA backend of the same run; per-channel keys
+# also in other blocks (`block_n`: 32 is one page a block).
 #   OUT=... bash benchmarks/gpu_channel_keys.sh
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/oscar-gpu}
 mkdir -p "$OUT"
@@ -11,7 +12,9 @@ GATE_TIMEOUT=${GATE_TIMEOUT:-420} bash "$(dirname "$0")/gpu_gate.sh" > "$OUT/gat
 wait
 echo "== per-channel key tests"; grep -E "passed|failed|Error|FAILED" "$OUT/channel_tests.log" | tail -12
 echo "== gate"; tail -n 30 "$OUT/gate.log"
+# per-channel keys in blocks of one page (32), two pages and eight, beside the default (CHANNEL_BLOCK_N: four)
 python3 benchmarks/bench_decode.py --key-formats token,channel --name decode_attention_h200_key_formats --out "$OUT" \
+  --configs '[{"block_n": 32}, {"block_n": 64}, {"block_n": 256}]' \
   2>&1 | grep -v "^  warn" | tee "$OUT/bench.log" | cut -c1-400
 python3 benchmarks/bench_decode.py --key-formats token,channel --as-model --no-store \
   --name decode_attention_h200_key_formats_as_model --out "$OUT" 2>&1 | tee "$OUT/bench_as_model.log" | cut -c1-400

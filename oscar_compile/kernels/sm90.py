@@ -175,10 +175,10 @@ def launch_variants(d: int) -> dict:
         f"query prefill d={d}": lambda: compile_query(d=d, block_m=64),
         f"store d={d}": lambda: compile_store(d=d, clip=True),
         # per-channel keys (key_format="channel", pages of 32): page region, gather, the store's three launches
-        f"decode pages, per-channel keys d={d}": lambda: compile_attention(d=d, block_m=16, block_n=32, region=0,
+        f"decode pages, per-channel keys d={d}": lambda: compile_attention(d=d, block_m=16, block_n=bn_pages, region=0,
                                                                             kch=True, ps=32),
-        f"prefill pages, per-channel keys d={d}": lambda: compile_attention(d=d, block_m=32, block_n=32, region=0,
-                                                                             prefill=True, kch=True, ps=32),
+        f"prefill pages, per-channel keys d={d}": lambda: compile_attention(d=d, block_m=32, block_n=bn_pages,
+                                                                             region=0, prefill=True, kch=True, ps=32),
         f"prefill gather, per-channel keys d={d}": lambda: compile_gather(d=d, kch=True),
         f"store chunk, per-channel keys d={d}": lambda: compile_store(d=d, chunk_only=True),
         f"store pages, per-channel keys d={d}": lambda: compile_store_pages(d=d),
@@ -220,7 +220,11 @@ def extra_variants() -> dict:
         "decode pages, 2 groups, debiased scores": lambda: compile_attention(d=128, block_m=16, region=0, ng=2,
                                                                               debias=True),
         "decode pages, per-channel keys, debiased scores": lambda: compile_attention(
-            d=128, block_m=16, block_n=32, region=0, kch=True, ps=32, debias=True),
+            d=128, block_m=16, block_n=128, region=0, kch=True, ps=32, debias=True),
+        "decode pages, per-channel keys, one page a block": lambda: compile_attention(
+            d=128, block_m=16, block_n=32, region=0, kch=True, ps=32),
+        "decode pages, per-channel keys, pages of 16": lambda: compile_attention(
+            d=128, block_m=16, block_n=128, region=0, kch=True, ps=16),
         "pages, logical order": lambda: compile_attention(d=128, block_m=16, region=0, frag=False),
     }
 

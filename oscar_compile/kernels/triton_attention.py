@@ -110,6 +110,20 @@ def _key_channels(km_ptr, bt_ptr, b, sbt_b, j0, hi, S, h, sm_p, sm_h, uperm, PS:
 
 
 @triton.jit
+def _key_pages(km_ptr, bt_ptr, b, sbt_b, j0, hi, S, h, sm_p, sm_h, uperm, PS: tl.constexpr, D: tl.constexpr,
+               NP: tl.constexpr):
+    """Per-channel keys, a block of ``NP`` whole pages from key ``j0`` (page-aligned): each page's (scale, min) in
+    the unpacked channel order ``uperm``, fp32 ``[NP, D]`` each (zeros for pages from ``hi`` on)."""
+    first = j0 + PS * tl.arange(0, NP)  # each page's first key
+    page = _page_of(bt_ptr, b, sbt_b, first, hi, S, PS)
+    base = km_ptr + page[:, None] * sm_p + h * sm_h + uperm[None, :]
+    ok = (first[:, None] + uperm[None, :] * 0) < hi
+    sc = tl.load(base, mask=ok, other=0.0).to(tl.float32)
+    mn = tl.load(base + D, mask=ok, other=0.0).to(tl.float32)
+    return sc, mn
+
+
+@triton.jit
 def _channel_of(u, D: tl.constexpr, FRAG: tl.constexpr):
     """True channel of unpacked position ``16 w + i`` (bit pair ``i`` of word ``w``, see :func:`_unpack_words`).
 
@@ -273,6 +287,23 @@ def _dequant_dot_key_channels(qq, kw, sc, mn, debias, BLOCK_N: tl.constexpr, D: 
     if DEBIAS:
         bias -= debias * tl.sum(qs * qs, 1)
     return s + bias[:, None]
+
+
+@triton.jit
+def _dequant_dot_key_pages(qq, kw, sc, mn, debias, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NP: tl.constexpr,
+                           D: tl.constexpr, DT: tl.constexpr, USE_ASM: tl.constexpr, DEBIAS: tl.constexpr = False):
+    """:func:`_dequant_dot_key_channels` for a block of ``NP`` whole pages (``sc``, ``mn``: ``[NP, D]``): each
+    page's scale folded into its own copy of the query, one batched ``tl.dot`` (``[NP, M, D] x [NP, D, P]``), so a
+    block of several small pages costs one softmax step, not one a page."""
+    codes = tl.reshape(_unpack_words(kw, BLOCK_N, D, DT, USE_ASM), (NP, BLOCK_N // NP, D))
+    qf = qq.to(tl.float32)
+    qs = qf[None, :, :] * sc[:, None, :]  # [NP, M, D]
+    s = tl.dot(qs.to(DT), tl.permute(codes, (0, 2, 1)))  # [NP, M, P]
+    bias = tl.sum(qf[None, :, :] * mn[:, None, :], 2)  # [NP, M]
+    if DEBIAS:
+        bias -= debias * tl.sum(qs * qs, 2)
+    s = s + bias[:, :, None]
+    return tl.reshape(tl.permute(s, (1, 0, 2)), (BLOCK_M, BLOCK_N))
 
 
 @triton.jit
@@ -451,21 +482,33 @@ def _attn_kernel(
         # value metadata strides: with per-channel keys (KCH) k_meta has a layout of its own (skm_p, skm_h)
         kw, km, vw, vm = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page_n, lo + nblk, hi, S, h,
                                           sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N, D, NG, ALIGNED, FRAG, KCH)
-        if KCH:  # the page's key scales and minimums, one block ahead like the codes
-            ksc, kmn = _key_channels(km_ptr, bt_ptr, b, sbt_b, lo, hi, S, h, skm_p, skm_h, uperm, PS, D)
+        # per-channel keys (KCH): the block's pages' key scales and minimums, one block ahead like the codes; a
+        # block is part of one page (_key_channels) or NP whole pages (_key_pages)
+        NP: tl.constexpr = (BLOCK_N + PS - 1) // PS
+        if KCH:
+            if BLOCK_N > PS:
+                ksc, kmn = _key_pages(km_ptr, bt_ptr, b, sbt_b, lo, hi, S, h, skm_p, skm_h, uperm, PS, D, NP)
+            else:
+                ksc, kmn = _key_channels(km_ptr, bt_ptr, b, sbt_b, lo, hi, S, h, skm_p, skm_h, uperm, PS, D)
         page_n = _page_of(bt_ptr, b, sbt_b, lo + BLOCK_N + nblk, hi, S, PS)
         for j0 in range(lo, hi, BLOCK_N):
             kw_n, km_n, vw_n, vm_n = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page_n, j0 + BLOCK_N + nblk,
                                                       hi, S, h, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N,
                                                       D, NG, ALIGNED, FRAG, KCH)
             if KCH:
-                ksc_n, kmn_n = _key_channels(km_ptr, bt_ptr, b, sbt_b, j0 + BLOCK_N, hi, S, h, skm_p, skm_h, uperm,
-                                             PS, D)
+                if BLOCK_N > PS:
+                    ksc_n, kmn_n = _key_pages(km_ptr, bt_ptr, b, sbt_b, j0 + BLOCK_N, hi, S, h, skm_p, skm_h, uperm,
+                                              PS, D, NP)
+                else:
+                    ksc_n, kmn_n = _key_channels(km_ptr, bt_ptr, b, sbt_b, j0 + BLOCK_N, hi, S, h, skm_p, skm_h,
+                                                 uperm, PS, D)
             page_n = _page_of(bt_ptr, b, sbt_b, j0 + 2 * BLOCK_N + nblk, hi, S, PS)
             j = j0 + nblk
             key_ok = j < hi
             if ABLATE == 2 or ABLATE == 4:  # no key unpacking and dot (4: nothing but the loads)
                 s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum((kw & 1).to(tl.float32), 1)[None, :]
+            elif KCH and BLOCK_N > PS:
+                s = _dequant_dot_key_pages(qq, kw, ksc, kmn, debias, BLOCK_M, BLOCK_N, NP, D, DT, USE_ASM, DEBIAS)
             elif KCH:
                 s = _dequant_dot_key_channels(qq, kw, ksc, kmn, debias, BLOCK_N, D, DT, USE_ASM, DEBIAS)
             else:
@@ -940,6 +983,9 @@ class AttentionPlan:
 
 
 BF16_BLOCK_N = 64
+# Per-channel keys: keys a block of the page region by head_dim (several whole pages, :func:`_dequant_dot_key_pages`,
+# or part of one); None: one page a block.
+CHANNEL_BLOCK_N: dict[int, int] | None = {64: 128, 128: 128, 256: 64}
 
 
 @dataclass(frozen=True)
@@ -1074,7 +1120,7 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
     else:
         nsplit = num_splits(b, h, page_m_blocks, page_keys, block_n, sms)
     unit = gluon.keys_per_block if gluon is not None else block_n  # whole blocks a split
-    if geo.key_channel:  # whole pages a split: a block reads one page's key metadata (block_n divides the page)
+    if geo.key_channel:  # whole pages a split, whole blocks a page or whole pages a block (both powers of two)
         unit = max(unit, geo.page_size)
     keys_per_split = triton.cdiv(triton.cdiv(page_keys, max(nsplit, 1)), unit) * unit
     if filled and not splits:
@@ -1105,9 +1151,9 @@ def plan_attention(b: int, hq: int, t: int, geo, device, block_n: int | None = N
     """
     h, d = geo.num_kv_heads, geo.head_dim
     g = hq // h
+    if geo.key_channel and not block_n:  # per-channel keys: a block is part of a page or whole pages
+        block_n = CHANNEL_BLOCK_N.get(d, geo.page_size) if CHANNEL_BLOCK_N is not None else geo.page_size
     block_n = block_n or (64 if d > 128 else 128)
-    if geo.key_channel:  # a block of the page region never crosses a page (one page's key metadata)
-        block_n = min(block_n, geo.page_size)
     sms = _sm_count(device) if isinstance(device, torch.device) else int(device)
     chunk_len = t if chunk_len is None else chunk_len
     tq = max(t, 1)

@@ -108,6 +108,34 @@ def test_page_region_in_many_blocks_and_splits_small():
          block_n=16, splits=3, gather_prefix=False)
 
 
+@pytest.mark.parametrize("block_n", [32, 128])
+def test_blocks_of_whole_pages_small(block_n):
+    # a block of 2 or 8 pages of 16 (each page's scale folded into its own copy of the query, one batched dot), rows
+    # whose page region ends mid-block, three splits of whole blocks, a bool mask with holes; then decode steps
+    _run(h=1, gqa=4, d=64, ps=16, s=1, w=16, lengths=(150, 61), chunks=(20,), decode_steps=3, seed=3, mask=True,
+         block_n=block_n, splits=3, gather_prefix=False)
+
+
+def test_default_block_is_whole_pages():
+    # per-channel keys read CHANNEL_BLOCK_N keys a block (several small pages), part of a page where the page is
+    # larger, and one page a block where CHANNEL_BLOCK_N is None
+    from oscar_compile.kernels import triton_attention as ta
+
+    for d, ps, want in ((128, 32, 128), (64, 16, 128), (256, 32, 64), (128, 256, 128)):
+        cache, _ = twin_caches(1, d, 1, 600, 0, 4, ps, key_format="channel", device="cpu")
+        q = torch.randn(1, 2, 1, d)
+        args = cache.attention_args(0, q, torch.tensor([[0]]), torch.tensor([1]))
+        geo = check_cache(*args[3:12])
+        plan = ta.plan_attention(1, 2, 1, geo, 132)
+        assert plan.block_n == want and plan.keys_per_split % max(ps, want) == 0
+    old = ta.CHANNEL_BLOCK_N
+    try:
+        ta.CHANNEL_BLOCK_N = None
+        assert ta.plan_attention(1, 2, 1, geo, 132).block_n == ps
+    finally:
+        ta.CHANNEL_BLOCK_N = old
+
+
 @pytest.mark.parametrize("key_format, group", [("channel", None), ("token", None), ("token", 32)])
 def test_debiased_scores_match_reference_small(key_format, group):
     # the page kernel subtracts each INT2 key's rounding-noise variance: per page (per-channel keys), per key (one
