@@ -146,6 +146,7 @@ def run_shape(model, name, batch, prompt, new, chunk, mode, label, opts, weights
 
 CONFIGS = {  # key: (label, options, compile mode: None = the --mode argument)
     "int2": ("oscar INT2", {}, None),
+    "int2-channel": ("oscar INT2, per-channel keys (pages of 32)", {"key_format": "channel", "page_size": 32}, None),
     "off": ("oscar, quantize off", {"quantize": False}, None),
     "eager": ("bf16 StaticCache eager", "eager", None),
     "inductor": ("bf16 StaticCache + inductor (default mode)", None, "default"),
