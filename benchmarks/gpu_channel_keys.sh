@@ -5,6 +5,7 @@
 # also in other blocks (`block_n`: 32 is one page a block).
 #   OUT=... bash benchmarks/gpu_channel_keys.sh
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/oscar-gpu}
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)  # result names
 mkdir -p "$OUT"
 ( timeout "${GATE_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_key_channel.py \
     tests/test_key_channel.py -k "gpu or small or cuda or choice or debias or graph" > "$OUT/channel_tests.log" 2>&1 ) &
@@ -13,10 +14,10 @@ wait
 echo "== per-channel key tests"; grep -E "passed|failed|Error|FAILED" "$OUT/channel_tests.log" | tail -12
 echo "== gate"; tail -n 30 "$OUT/gate.log"
 # per-channel keys in blocks of one page (32), two pages and eight, beside the default (CHANNEL_BLOCK_N: four)
-python3 benchmarks/bench_decode.py --key-formats token,channel --name decode_attention_h200_key_formats --out "$OUT" \
+python3 benchmarks/bench_decode.py --key-formats token,channel --name decode_attention_${CARD:-gpu}_key_formats --out "$OUT" \
   --configs '[{"block_n": 32}, {"block_n": 64}, {"block_n": 256}]' \
   2>&1 | grep -v "^  warn" | tee "$OUT/bench.log" | cut -c1-400
 python3 benchmarks/bench_decode.py --key-formats token,channel --as-model --no-store \
-  --name decode_attention_h200_key_formats_as_model --out "$OUT" 2>&1 | tee "$OUT/bench_as_model.log" | cut -c1-400
+  --name decode_attention_${CARD:-gpu}_key_formats_as_model --out "$OUT" 2>&1 | tee "$OUT/bench_as_model.log" | cut -c1-400
 [ -n "$DEBIAS" ] && python3 benchmarks/bench_decode.py --key-formats token,channel --debias 1 --no-store \
-  --name decode_attention_h200_key_formats_debias --out "$OUT" 2>&1 | tee "$OUT/bench_debias.log" | cut -c1-400
+  --name decode_attention_${CARD:-gpu}_key_formats_debias --out "$OUT" 2>&1 | tee "$OUT/bench_debias.log" | cut -c1-400

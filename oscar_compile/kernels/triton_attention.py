@@ -296,12 +296,14 @@ def _dequant_dot_key_pages(qq, kw, sc, mn, debias, BLOCK_M: tl.constexpr, BLOCK_
     page's scale folded into its own copy of the query, one batched ``tl.dot`` (``[NP, M, D] x [NP, D, P]``), so a
     block of several small pages costs one softmax step, not one a page."""
     codes = tl.reshape(_unpack_words(kw, BLOCK_N, D, DT, USE_ASM), (NP, BLOCK_N // NP, D))
-    qf = qq.to(tl.float32)
-    qs = qf[None, :, :] * sc[:, None, :]  # [NP, M, D]
-    s = tl.dot(qs.to(DT), tl.permute(codes, (0, 2, 1)))  # [NP, M, P]
-    bias = tl.sum(qf[None, :, :] * mn[:, None, :], 2)  # [NP, M]
+    # [NP, M, D] in DT, not fp32 (half the registers): the product of two DT numbers rounded once to DT, as an
+    # fp32 product would be (exact in fp32) before its rounding to the dot's operand type
+    qs = qq.to(DT)[None, :, :] * sc.to(DT)[:, None, :]
+    s = tl.dot(qs, tl.permute(codes, (0, 2, 1)))  # [NP, M, P]
+    bias = tl.sum(qq.to(tl.float32)[None, :, :] * mn[:, None, :], 2)  # [NP, M]
     if DEBIAS:
-        bias -= debias * tl.sum(qs * qs, 2)
+        qsf = qs.to(tl.float32)
+        bias -= debias * tl.sum(qsf * qsf, 2)
     s = s + bias[:, :, None]
     return tl.reshape(tl.permute(s, (1, 0, 2)), (BLOCK_M, BLOCK_N))
 
@@ -937,13 +939,14 @@ def num_splits(batch: int, kv_heads: int, m_blocks: int, page_keys: int, block_n
     return int(max(1, min(want, most, 128)))
 
 
-def page_region_warps(batch: int, kv_heads: int, page_m_blocks: int, page_m: int, device) -> int:
+def page_region_warps(batch: int, kv_heads: int, page_m_blocks: int, page_m: int, device, key_pages: bool = False) -> int:
     """Warps of a page-region program. 2 when decode rows (<= 16 a program) already give every SM a
     program without splitting: 4 programs of 2 warps fit an SM where 2 of 4 do, so more key blocks are
     in flight (H200: 32 x 32K 946 vs 1109 us, 32 x 8K 280 vs 309, 64 x 4K 293 vs 330). 4 otherwise: at
     batch 1 the splits are short and 2 warps were slower (1 x 128K 191 vs 166 us), and 32-row prefill
-    blocks spill with 2 warps."""
-    return 2 if page_m <= 16 and batch * kv_heads * page_m_blocks >= _sm_count(device) else 4
+    blocks spill with 2 warps. ``key_pages`` (per-channel keys, several pages a block): 4, 2 spill (sm_90 ptxas:
+    255 registers and 512 bytes of spills for blocks of 4 pages of 32 at d = 128, none with 4 warps)."""
+    return 2 if page_m <= 16 and not key_pages and batch * kv_heads * page_m_blocks >= _sm_count(device) else 4
 
 
 # Bytes of the temporaries one launch group may hold (the rotated queries and the splits' partial
@@ -983,9 +986,11 @@ class AttentionPlan:
 
 
 BF16_BLOCK_N = 64
-# Per-channel keys: keys a block of the page region by head_dim (several whole pages, :func:`_dequant_dot_key_pages`,
-# or part of one); None: one page a block.
-CHANNEL_BLOCK_N: dict[int, int] | None = {64: 128, 128: 128, 256: 64}
+# Per-channel keys: keys a block of the page region by head_dim, (few programs, programs filling the GPU): several
+# whole pages (:func:`_dequant_dot_key_pages`) or part of one; None: one page a block. H100, d = 128, pages of 32
+# (decode_attention_h100_key_formats_blocks.json): blocks of 4 pages beat 1 page at batch 1 (1 x 128K 224 vs 326 us) but
+# spilled at batch 32 with the 2-warp programs, where 2 pages were best (32 x 8K 409 vs 489 vs 516 us).
+CHANNEL_BLOCK_N: dict[int, tuple[int, int]] | None = {64: (128, 128), 128: (128, 64), 256: (64, 64)}
 
 
 @dataclass(frozen=True)
@@ -1151,10 +1156,11 @@ def plan_attention(b: int, hq: int, t: int, geo, device, block_n: int | None = N
     """
     h, d = geo.num_kv_heads, geo.head_dim
     g = hq // h
-    if geo.key_channel and not block_n:  # per-channel keys: a block is part of a page or whole pages
-        block_n = CHANNEL_BLOCK_N.get(d, geo.page_size) if CHANNEL_BLOCK_N is not None else geo.page_size
-    block_n = block_n or (64 if d > 128 else 128)
     sms = _sm_count(device) if isinstance(device, torch.device) else int(device)
+    if geo.key_channel and not block_n:  # per-channel keys: a block is part of a page or whole pages
+        few, many = CHANNEL_BLOCK_N.get(d, (geo.page_size,) * 2) if CHANNEL_BLOCK_N is not None else (geo.page_size,) * 2
+        block_n = few if b * h * triton.cdiv(g * max(t, 1), 16) < sms else many
+    block_n = block_n or (64 if d > 128 else 128)
     chunk_len = t if chunk_len is None else chunk_len
     tq = max(t, 1)
     plan = _plan_tile(b, h, g, tq, chunk_len, d, geo, sms, block_n, splits, page_kernel, fused)
@@ -1448,7 +1454,8 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
                 KCH=geo.key_channel, DEBIAS=debias > 0)
     page_opts = {"maxnreg": maxnreg} if maxnreg else {}  # a register cap trades spills for CTAs per SM
     # warps: page_warps for the page region alone, else num_warps for both regions, else the heuristic
-    page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, plan.page_m_blocks, plan.page_m, q.device)
+    page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, plan.page_m_blocks, plan.page_m, q.device,
+                                                                          geo.key_channel and plan.block_n > geo.page_size)
     cdt = _rows_type(kch.dtype, dt)  # the chunk launch's operands
     if dense_chunk and plan.nb != 1:  # pragma: no cover - the plan gives a prefill one BF16 split
         raise ValueError("oscar: the chunk's own launch needs the BF16 keys in one split (a prefill plan)")

@@ -121,13 +121,14 @@ def test_default_block_is_whole_pages():
     # larger, and one page a block where CHANNEL_BLOCK_N is None
     from oscar_compile.kernels import triton_attention as ta
 
-    for d, ps, want in ((128, 32, 128), (64, 16, 128), (256, 32, 64), (128, 256, 128)):
+    for d, ps, few, many in ((128, 32, 128, 64), (64, 16, 128, 128), (256, 32, 64, 64), (128, 256, 128, 64)):
         cache, _ = twin_caches(1, d, 1, 600, 0, 4, ps, key_format="channel", device="cpu")
         q = torch.randn(1, 2, 1, d)
         args = cache.attention_args(0, q, torch.tensor([[0]]), torch.tensor([1]))
         geo = check_cache(*args[3:12])
-        plan = ta.plan_attention(1, 2, 1, geo, 132)
-        assert plan.block_n == want and plan.keys_per_split % max(ps, want) == 0
+        for batch, want in ((1, few), (200, many)):  # 1 or 200 (row, KV head) programs on 132 SMs
+            plan = ta.plan_attention(batch, 2, 1, geo, 132)
+            assert plan.block_n == want and plan.keys_per_split % max(ps, want) == 0
     old = ta.CHANNEL_BLOCK_N
     try:
         ta.CHANNEL_BLOCK_N = None
