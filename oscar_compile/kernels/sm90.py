@@ -72,13 +72,13 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4, num_s
 
 def compile_attention(d=128, g=4, block_m=16, block_n=128, region=0, prefill=False, unpack="asm", ablate=0,
                       num_warps=4, num_stages=2, ng=1, mask_kind=0, maxnreg=None, causal=None, frag=True,
-                      mask_bounds=False, kch=False, ps=16, debias=False):
+                      mask_bounds=False, kch=False, ps=16, debias=False, kfold=True):
     from .triton_attention import _attn_kernel
 
     const = dict(H=8, G=g, D=d, NG=ng, PS=ps, HAS_RING=True, KCH=kch, DEBIAS=debias, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=prefill if causal is None else causal,
                  MASK_KIND=mask_kind, HAS_CHUNK=prefill, DT=tl.float16, KC=min(d, 64), ALIGNED=True, ABLATE=ablate,
                  USE_ASM=unpack == "asm", REGION=region, FRAG=frag and d % 64 == 0, DENSE_CHUNK=prefill,
-                 CDT=tl.bfloat16 if prefill else tl.float16, MASK_BOUNDS=mask_bounds)
+                 CDT=tl.bfloat16 if prefill else tl.float16, MASK_BOUNDS=mask_bounds, KFOLD=kfold)
     return compile_sm90(_attn_kernel, const, ATTENTION_POINTERS, num_warps, num_stages, maxnreg)
 
 
@@ -221,6 +221,10 @@ def extra_variants() -> dict:
                                                                               debias=True),
         "decode pages, per-channel keys, debiased scores": lambda: compile_attention(
             d=128, block_m=16, block_n=128, region=0, kch=True, ps=32, debias=True),
+        "decode pages, per-channel keys, dequantized (no fold)": lambda: compile_attention(
+            d=128, block_m=16, block_n=128, region=0, kch=True, ps=32, kfold=False),
+        "decode pages, per-channel keys, dequantized, debiased": lambda: compile_attention(
+            d=128, block_m=16, block_n=64, region=0, kch=True, ps=32, kfold=False, debias=True),
         "decode pages, per-channel keys, one page a block": lambda: compile_attention(
             d=128, block_m=16, block_n=32, region=0, kch=True, ps=32),
         "decode pages, per-channel keys, pages of 16": lambda: compile_attention(

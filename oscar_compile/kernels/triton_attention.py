@@ -291,21 +291,32 @@ def _dequant_dot_key_channels(qq, kw, sc, mn, debias, BLOCK_N: tl.constexpr, D: 
 
 @triton.jit
 def _dequant_dot_key_pages(qq, kw, sc, mn, debias, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NP: tl.constexpr,
-                           D: tl.constexpr, DT: tl.constexpr, USE_ASM: tl.constexpr, DEBIAS: tl.constexpr = False):
-    """:func:`_dequant_dot_key_channels` for a block of ``NP`` whole pages (``sc``, ``mn``: ``[NP, D]``): each
-    page's scale folded into its own copy of the query, one batched ``tl.dot`` (``[NP, M, D] x [NP, D, P]``), so a
-    block of several small pages costs one softmax step, not one a page."""
+                           D: tl.constexpr, DT: tl.constexpr, USE_ASM: tl.constexpr, DEBIAS: tl.constexpr = False,
+                           FOLD: tl.constexpr = True):
+    """:func:`_dequant_dot_key_channels` for a block of ``NP`` whole pages (``sc``, ``mn``: ``[NP, D]``), so a block
+    of several small pages costs one softmax step, not one a page. ``FOLD``: each page's scale folded into its own
+    copy of the query, one batched ``tl.dot`` (``[NP, M, D] x [NP, D, P]``); else the keys dequantized
+    (``c * scale + min``, the page's row broadcast over its keys) and one plain dot."""
     codes = tl.reshape(_unpack_words(kw, BLOCK_N, D, DT, USE_ASM), (NP, BLOCK_N // NP, D))
-    # [NP, M, D] in DT, not fp32 (half the registers): the product of two DT numbers rounded once to DT, as an
-    # fp32 product would be (exact in fp32) before its rounding to the dot's operand type
-    qs = qq.to(DT)[None, :, :] * sc.to(DT)[:, None, :]
-    s = tl.dot(qs, tl.permute(codes, (0, 2, 1)))  # [NP, M, P]
-    bias = tl.sum(qq.to(tl.float32)[None, :, :] * mn[:, None, :], 2)  # [NP, M]
-    if DEBIAS:
-        qsf = qs.to(tl.float32)
-        bias -= debias * tl.sum(qsf * qsf, 2)
-    s = s + bias[:, :, None]
-    return tl.reshape(tl.permute(s, (1, 0, 2)), (BLOCK_M, BLOCK_N))
+    if FOLD:
+        # [NP, M, D] in DT, not fp32 (half the registers): the product of two DT numbers rounded once to DT, as an
+        # fp32 product would be (exact in fp32) before its rounding to the dot's operand type
+        qs = qq.to(DT)[None, :, :] * sc.to(DT)[:, None, :]
+        s3 = tl.dot(qs, tl.permute(codes, (0, 2, 1)))  # [NP, M, P]
+        bias = tl.sum(qq.to(tl.float32)[None, :, :] * mn[:, None, :], 2)  # [NP, M]
+        if DEBIAS:
+            qsf = qs.to(tl.float32)
+            bias -= debias * tl.sum(qsf * qsf, 2)
+        s = tl.reshape(tl.permute(s3 + bias[:, :, None], (1, 0, 2)), (BLOCK_M, BLOCK_N))
+    else:
+        k = tl.reshape(codes.to(tl.float32) * sc[:, None, :] + mn[:, None, :], (BLOCK_N, D))
+        s = tl.dot(qq, tl.trans(k.to(DT)))
+        if DEBIAS:
+            qf = qq.to(tl.float32)
+            qsq = tl.sum(qf[None, :, :] * qf[None, :, :] * (sc * sc)[:, None, :], 2)  # [NP, M]
+            s -= debias * tl.reshape(tl.broadcast_to(tl.permute(qsq, (1, 0))[:, :, None],
+                                                     (BLOCK_M, NP, BLOCK_N // NP)), (BLOCK_M, BLOCK_N))
+    return s
 
 
 @triton.jit
@@ -448,7 +459,7 @@ def _attn_kernel(
     HAS_CHUNK: tl.constexpr, DT: tl.constexpr, KC: tl.constexpr, ALIGNED: tl.constexpr, ABLATE: tl.constexpr,
     USE_ASM: tl.constexpr, REGION: tl.constexpr, FRAG: tl.constexpr, DENSE_CHUNK: tl.constexpr = False,
     CDT: tl.constexpr = tl.float16, SKIP_EMPTY: tl.constexpr = True, MASK_BOUNDS: tl.constexpr = False,
-    KCH: tl.constexpr = False, DEBIAS: tl.constexpr = False,
+    KCH: tl.constexpr = False, DEBIAS: tl.constexpr = False, KFOLD: tl.constexpr = True,
 ):
     """One split of one row block: REGION 0 = INT2 pages (splits ``0 .. NSPLIT-1``), 1 = BF16 keys
     (splits ``NSPLIT ..``). Two launches, so each region's code gets registers of its own.
@@ -510,7 +521,8 @@ def _attn_kernel(
             if ABLATE == 2 or ABLATE == 4:  # no key unpacking and dot (4: nothing but the loads)
                 s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) + tl.sum((kw & 1).to(tl.float32), 1)[None, :]
             elif KCH and BLOCK_N > PS:
-                s = _dequant_dot_key_pages(qq, kw, ksc, kmn, debias, BLOCK_M, BLOCK_N, NP, D, DT, USE_ASM, DEBIAS)
+                s = _dequant_dot_key_pages(qq, kw, ksc, kmn, debias, BLOCK_M, BLOCK_N, NP, D, DT, USE_ASM, DEBIAS,
+                                           KFOLD)
             elif KCH:
                 s = _dequant_dot_key_channels(qq, kw, ksc, kmn, debias, BLOCK_N, D, DT, USE_ASM, DEBIAS)
             else:
@@ -1199,7 +1211,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      maxnreg: int | None = None, page_warps: int | None = None, bf16_warps: int | None = None,
                      temp_budget: int = TEMP_BYTES_BUDGET, page_kernel: str | None = None,
                      dense_chunk: bool | None = None, chunk_block_m: int | None = None, chunk_warps: int | None = None,
-                     gather_prefix: bool | None = None, bf16_splits: int | None = None):
+                     gather_prefix: bool | None = None, bf16_splits: int | None = None, channel_fold: bool = True):
     """Triton ``oscar::attention`` (same arguments and result as :func:`attention_reference`).
 
     ``page_kernel``: ``"gluon"``, ``"triton"`` or None (:data:`PAGE_KERNEL`, by default the Gluon decode
@@ -1312,7 +1324,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                      k_sink, v_sink, k_ring, v_ring, block_table, tmask, mask_kind, mask_len, bq, bo, muv, is_causal,
                      scale, qq, part_m, part_l, part_o, out[:, :, t0:t1], geo, h, g, d, dt, use_asm, aligned, ablate,
                      num_warps, num_stages, maxnreg, page_warps, bf16_warps, has_chunk, frag, chunk_block_m,
-                     chunk_warps, debias)
+                     chunk_warps, debias, channel_fold)
     return out
 
 
@@ -1417,7 +1429,7 @@ def _launch_prefill_tile(plan, q, pos, lens, c0, c_end, kch, vch, prefix, mask, 
 def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta, k_sink, v_sink, k_ring, v_ring,
                  block_table, mask, mask_kind, mask_len, bq, bo, muv, is_causal, scale, qq, part_m, part_l, part_o,
                  out, geo, h, g, d, dt, use_asm, aligned, ablate, num_warps, num_stages, maxnreg, page_warps, bf16_warps,
-                 has_chunk, frag, chunk_block_m=None, chunk_warps=None, debias=0.0):
+                 has_chunk, frag, chunk_block_m=None, chunk_warps=None, debias=0.0, channel_fold=True):
     """The launches of one query tile: rotate queries, page region (Gluon or Triton), BF16 keys, the chunk's own
     keys (prefill), merge."""
     b = q.shape[0]
@@ -1453,6 +1465,7 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
                 ALIGNED=aligned, ABLATE=ablate, USE_ASM=use_asm, FRAG=frag, num_stages=num_stages,
                 KCH=geo.key_channel, DEBIAS=debias > 0)
     page_opts = {"maxnreg": maxnreg} if maxnreg else {}  # a register cap trades spills for CTAs per SM
+    page_opts["KFOLD"] = bool(channel_fold)  # per-channel keys in blocks of whole pages: _dequant_dot_key_pages
     # warps: page_warps for the page region alone, else num_warps for both regions, else the heuristic
     page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, plan.page_m_blocks, plan.page_m, q.device,
                                                                           geo.key_channel and plan.block_n > geo.page_size)

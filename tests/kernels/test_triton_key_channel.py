@@ -108,12 +108,14 @@ def test_page_region_in_many_blocks_and_splits_small():
          block_n=16, splits=3, gather_prefix=False)
 
 
-@pytest.mark.parametrize("block_n", [32, 128])
-def test_blocks_of_whole_pages_small(block_n):
-    # a block of 2 or 8 pages of 16 (each page's scale folded into its own copy of the query, one batched dot), rows
-    # whose page region ends mid-block, three splits of whole blocks, a bool mask with holes; then decode steps
+@pytest.mark.parametrize("block_n, fold, debias", [(32, True, 0.0), (128, True, 0.0), (32, False, 0.0),
+                                                   (128, False, 1.0)])
+def test_blocks_of_whole_pages_small(block_n, fold, debias):
+    # a block of 2 or 8 pages of 16 (each page's scale folded into its own copy of the query and one batched dot, or
+    # the keys dequantized), rows whose page region ends mid-block, three splits of whole blocks, a bool mask with
+    # holes; then decode steps
     _run(h=1, gqa=4, d=64, ps=16, s=1, w=16, lengths=(150, 61), chunks=(20,), decode_steps=3, seed=3, mask=True,
-         block_n=block_n, splits=3, gather_prefix=False)
+         block_n=block_n, splits=3, gather_prefix=False, channel_fold=fold, debias=debias)
 
 
 def test_default_block_is_whole_pages():
