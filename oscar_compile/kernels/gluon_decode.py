@@ -66,6 +66,9 @@ UNPACK_ASM = gl.constexpr(_unpack_asm(False))
 UNPACK_ASM_SUBNORMAL = gl.constexpr(_unpack_asm(True))
 UNPACK_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 16 + ["r"]))
 SUBNORMAL_UNIT = gl.constexpr(2.0**24)  # 1 / the fp16 subnormal step
+# Per-channel keys: the page-scaled query is multiplied by this before its rounding to fp16 (q' * 4^-3 * scale can
+# fall below fp16's normal range, 6e-5) and the scores divided by it; 64 * |q' scale| stays far below fp16's maximum.
+KEY_FOLD = gl.constexpr(64.0)
 
 
 @gluon.jit
@@ -150,8 +153,9 @@ def _code_offsets(j0, hi, S, tpage, sc_p, sc_s, wr, word_in_group, PS: gl.conste
 
 @gluon.jit
 def _load_meta(j0, hi, S, tpage, bt_row, km_ptr, vm_ptr, sm_p, sm_s, key_in_block, wr, PS: gl.constexpr,
-               NW: gl.constexpr, NT: gl.constexpr, KEYS: gl.constexpr, WIDE: gl.constexpr):
-    """The keys' and values' (scale | min) words ``[NW, NT 16]`` of the block at ``j0``.
+               NW: gl.constexpr, NT: gl.constexpr, KEYS: gl.constexpr, WIDE: gl.constexpr, KCH: gl.constexpr = False):
+    """The keys' and values' (scale | min) words ``[NW, NT 16]`` of the block at ``j0`` (``KCH``, per-channel keys:
+    the values' twice; the keys' are a page's, :func:`_key_page_meta`).
 
     A key's page is its tile's (tiles start at multiples of 16 past ``S`` and a page holds a multiple of 16
     keys): reused from ``tpage`` rather than loaded from the block table again, a key at a time."""
@@ -175,7 +179,37 @@ def _load_meta(j0, hi, S, tpage, bt_row, km_ptr, vm_ptr, sm_p, sm_s, key_in_bloc
         moff = kpage * sm_p + (key_in_block % 16) * sm_s
     else:
         moff = kpage * sm_p + _div_mod(kq, PS)[1] * sm_s
-    return gl.load(km_ptr + moff, mask=kok, other=0), gl.load(vm_ptr + moff, mask=kok, other=0)
+    vm = gl.load(vm_ptr + moff, mask=kok, other=0)
+    km = vm
+    if not KCH:
+        km = gl.load(km_ptr + moff, mask=kok, other=0)
+    return km, vm
+
+
+@gluon.jit
+def _key_page_meta(j0, hi, S, bt_row, km_h, skm_p, qw, qc, PS: gl.constexpr, D: gl.constexpr):
+    """Per-channel keys: the (scale, min) ``[NW, D]`` (fp16, channel order) of the page of each warp's keys in the
+    block at ``j0``. Warp ``w``'s first tile starts at key ``j0 + 16 w``, and all its tiles lie in that page (the
+    launcher's condition: one tile a warp, or one warp whose tiles fit a page)."""
+    first = j0 + 16 * qw
+    ok = first < hi
+    page = gl.maximum(gl.load(bt_row + _div_mod(gl.where(ok, first - S, 0), PS)[0], mask=ok, other=0), 0)
+    off = gl.expand_dims(page.to(gl.int64) * skm_p, 1) + gl.expand_dims(qc, 0)
+    ok2 = gl.expand_dims(ok, 1) & gl.expand_dims(qc >= 0, 0)
+    sc = gl.load(km_h + off, mask=ok2, other=0.0)  # fp16 until used: half the registers of the block ahead
+    mn = gl.load(km_h + off + D, mask=ok2, other=0.0)
+    return sc, mn
+
+
+@gluon.jit
+def _key_page_query(q, cw, sc, mn, B_OP: gl.constexpr, HEADS: gl.constexpr, FOLD: gl.constexpr):
+    """The B operand of a block of per-channel keys: the query ``q`` ``[NW, D, 8]`` times each warp's page scale (and
+    the code weights ``cw``, and ``FOLD``, which keeps small products out of fp16's subnormal range; the scores are
+    divided by it), and the bias ``q . min_page`` ``[NW, 8]``."""
+    qf = q.to(gl.float32)
+    qk = (qf * gl.expand_dims(sc.to(gl.float32) * gl.expand_dims(cw, 0) * FOLD, 2)).to(gl.float16)
+    bias = gl.sum(qf * gl.expand_dims(mn.to(gl.float32), 2), axis=1)
+    return gl.convert_layout(qk, B_OP), gl.convert_layout(bias, HEADS)
 
 
 @gluon.jit
@@ -183,12 +217,15 @@ def _page_loop(q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b
                sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, wr, word_in_group, key_in_block, heads,
                G: gl.constexpr, D: gl.constexpr, PS: gl.constexpr, NW: gl.constexpr, NT: gl.constexpr,
                MASK_KIND: gl.constexpr, SUBNORMAL: gl.constexpr, WIDE: gl.constexpr, STAGES: gl.constexpr,
-               MASK_HEADS: gl.constexpr, MMA: gl.constexpr, WL: gl.constexpr):
+               MASK_HEADS: gl.constexpr, MMA: gl.constexpr, WL: gl.constexpr, q=None, cw=None, skm_p=0, qw=None,
+               qc=None, KCH: gl.constexpr = False):
     """The online softmax over the page keys ``[lo, hi)`` of one (row, KV head): its state ``(m, l, sum P min, O)``.
 
     MASK_KIND 0: no mask; 1: a bool mask read a byte a key (and head, MASK_HEADS); 3: the row's visible keys are
     the interval ``[first, hi)`` (a bool mask row of one interval, its bounds read once; the caller takes its last
-    key and the query's position into ``hi``). ``MMA``, ``WL``: the kernel's accumulator and code-word layouts."""
+    key and the query's position into ``hi``). ``MMA``, ``WL``: the kernel's accumulator and code-word layouts.
+    ``KCH`` (per-channel keys, ``km_h`` their page metadata): the query ``q`` (``[NW, D, 8]``, code weights ``cw``)
+    scaled by each warp's page scale is the keys' B operand, a block at a time."""
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     KEYS: gl.constexpr = gl.SliceLayout(2, MMA)
@@ -204,7 +241,9 @@ def _page_loop(q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b
     # thread reads back only the bytes it copied itself)
     tpage = _tile_pages(lo, hi, S, bt_row, wr, PS)
     kmeta, vmeta = _load_meta(lo, hi, S, tpage, bt_row, km_h, vm_h, sm_p, sm_s, key_in_block, wr, PS, NW, NT, KEYS,
-                              WIDE)
+                              WIDE, KCH)
+    if KCH:  # a block ahead, like the per-key metadata
+        ksc_p, kmn_p = _key_page_meta(lo, hi, S, bt_row, km_h, skm_p, qw, qc, PS, D)
     tpage_n = _tile_pages(lo + BLOCK, hi, S, bt_row, wr, PS)
     if STAGES == 1:
         waddr, wok = _code_offsets(lo, hi, S, tpage, sc_p, sc_s, wr, word_in_group, PS, WIDE)
@@ -227,7 +266,9 @@ def _page_loop(q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b
     for j0 in range(lo, hi, BLOCK):
         tpage_nn = _tile_pages(j0 + 2 * BLOCK, hi, S, bt_row, wr, PS)
         km_n, vm_n = _load_meta(j0 + BLOCK, hi, S, tpage_n, bt_row, km_h, vm_h, sm_p, sm_s, key_in_block, wr, PS, NW, NT,
-                                KEYS, WIDE)
+                                KEYS, WIDE, KCH)
+        if KCH:
+            ksc_pn, kmn_pn = _key_page_meta(j0 + BLOCK, hi, S, bt_row, km_h, skm_p, qw, qc, PS, D)
         if STAGES == 1:
             waddr, wok = _code_offsets(j0 + BLOCK, hi, S, tpage_n, sc_p, sc_s, wr, word_in_group, PS, WIDE)
             kw_n = gl.load(kc_h + waddr, mask=wok)
@@ -259,8 +300,16 @@ def _page_loop(q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b
             ksc = ksc * SUBNORMAL_UNIT
 
         k_op = _unpack(kwords, NW, NT, D, 0, A_OP, SUBNORMAL)
-        s = mma_v2(k_op, q_op, gl.zeros([NW, NT * 16, 8], gl.float32, MMA))
-        s = s * gl.expand_dims(ksc, 2) + gl.expand_dims(kmn, 2) * gl.expand_dims(qsum, 1)
+        if KCH:
+            qk_op, kbias = _key_page_query(q, cw, ksc_p, kmn_p, B_OP, HEADS, KEY_FOLD)
+            s = mma_v2(k_op, qk_op, gl.zeros([NW, NT * 16, 8], gl.float32, MMA))
+            unit = 1.0 / KEY_FOLD
+            if SUBNORMAL:
+                unit = SUBNORMAL_UNIT / KEY_FOLD
+            s = s * unit + gl.expand_dims(kbias, 1)
+        else:
+            s = mma_v2(k_op, q_op, gl.zeros([NW, NT * 16, 8], gl.float32, MMA))
+            s = s * gl.expand_dims(ksc, 2) + gl.expand_dims(kmn, 2) * gl.expand_dims(qsum, 1)
         vis = gl.expand_dims(kok, 2)
         if MASK_KIND == 1 and MASK_HEADS:
             key3 = gl.expand_dims(key, 2)
@@ -299,6 +348,8 @@ def _page_loop(q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b
             o = mma_v2(v_op, gl.convert_layout(pv, B_OP), o * alpha)
             m_i = m_new
         kmeta, vmeta, tpage_n = km_n, vm_n, tpage_nn
+        if KCH:
+            ksc_p, kmn_p = ksc_pn, kmn_pn
         if STAGES == 1:
             kwords, vwords = kw_n, vw_n
         it += 1
@@ -314,13 +365,16 @@ def _page_decode_kernel(
     H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, PS: gl.constexpr, NW: gl.constexpr, NT: gl.constexpr,
     HAS_CHUNK: gl.constexpr, MASK_KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, SUBNORMAL: gl.constexpr,
     WIDE: gl.constexpr, STAGES: gl.constexpr, MASK_HEADS: gl.constexpr = True, MASK_BOUNDS: gl.constexpr = False,
+    skm_p=0, skm_h=0, KCH: gl.constexpr = False,
 ):
     """One split of one (row, KV head): keys ``[S + split * keys_per_split, ...)`` of the page region.
 
     ``kc_ptr``/``vc_ptr``: the code pools as int32 words (fragment order); ``km_ptr``/``vm_ptr``: the
     metadata as int32 (scale | min << 16); strides in those units. ``qq``: the rotated, scaled queries
     ``[B H G, D]`` fp16 (row ``pid_bh G + n``). A bool mask (MASK_KIND 1) is read a key and head, or a key
-    where every head shares its row (``MASK_HEADS`` off: head stride 0).
+    where every head shares its row (``MASK_HEADS`` off: head stride 0). ``KCH``: per-channel keys, ``km_ptr`` their
+    fp16 page metadata ``[pages, 1, H, 2 D]`` (strides ``skm_p``, ``skm_h``), ``sm_*`` the values'; the page region
+    ends at the last whole page.
     """
     gl.static_assert(D == 64 or D == 128 or D == 256)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
@@ -341,7 +395,11 @@ def _page_decode_kernel(
         c0 = gl.load(c0_ptr + b).to(gl.int32)
     else:
         c0 = length
-    page_end = gl.maximum(gl.minimum(length - W, c0), S)
+    if KCH:  # whole pages (checks.quantized_len): the ring holds W + PS - 1 tokens
+        q_end = S + gl.maximum(length - S - (W - PS + 1), 0) // PS * PS
+    else:
+        q_end = length - W
+    page_end = gl.maximum(gl.minimum(q_end, c0), S)
     lo = S + split * keys_per_split
     hi = gl.minimum(lo + keys_per_split, page_end)
 
@@ -353,6 +411,7 @@ def _page_decode_kernel(
         + gl.expand_dims(gl.expand_dims(qw, 1), 2) * 0
     qmask = (gl.expand_dims(gl.expand_dims(qn, 0), 1) < G) & (qoff >= 0)
     q = gl.load(qq_ptr + qoff, mask=qmask, other=0.0)
+    q_plain = q  # per-channel keys scale it by each block's page scales
     qsum = gl.convert_layout(gl.sum(q.to(gl.float32), axis=1), HEADS)  # [NW, 8]
     if SUBNORMAL:  # channel c's codes come out as 4^k c 2^-24: the query takes the 4^-k (exact, a power of 2)
         q = (q.to(gl.float32) * gl.expand_dims(gl.expand_dims(_code_weight(qc), 0), 2)).to(gl.float16)
@@ -368,7 +427,14 @@ def _page_decode_kernel(
     heads = gl.arange(0, 8, layout=gl.SliceLayout(0, HEADS))
     bt_row = bt_ptr + b * sbt_b
     kc_h, vc_h = kc_ptr + h * (D // 16), vc_ptr + h * (D // 16)
-    km_h, vm_h = km_ptr + h, vm_ptr + h
+    if KCH:
+        km_h = km_ptr + h * skm_h
+    else:
+        km_h = km_ptr + h
+    vm_h = vm_ptr + h
+    cw = gl.full([D], 1.0, gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, QL)))
+    if SUBNORMAL:
+        cw = _code_weight(qc)
 
     if IS_CAUSAL:  # a decode query sees keys up to its own position (all page keys, but for odd positions)
         row_pos = gl.load(pos_ptr + b * sp_b).to(gl.int32)
@@ -389,17 +455,18 @@ def _page_decode_kernel(
             m_i, l_acc, pm_acc, o = _page_loop(
                 q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
                 sc_p, sc_s, sm_p, sm_s, lo_i, hi_i, S, row_pos, first, wr, word_in_group, key_in_block, heads,
-                G, D, PS, NW, NT, 3, SUBNORMAL, WIDE, STAGES, MASK_HEADS, MMA, WL)
+                G, D, PS, NW, NT, 3, SUBNORMAL, WIDE, STAGES, MASK_HEADS, MMA, WL, q_plain, cw, skm_p, qw, qc, KCH)
         else:
             m_i, l_acc, pm_acc, o = _page_loop(
                 q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
                 sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, wr, word_in_group, key_in_block, heads,
-                G, D, PS, NW, NT, 1, SUBNORMAL, WIDE, STAGES, MASK_HEADS, MMA, WL)
+                G, D, PS, NW, NT, 1, SUBNORMAL, WIDE, STAGES, MASK_HEADS, MMA, WL, q_plain, cw, skm_p, qw, qc, KCH)
     else:
         m_i, l_acc, pm_acc, o = _page_loop(
             q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b, smk_h, smk_j, mask_len,
             sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, 0, wr, word_in_group, key_in_block, heads,
-            G, D, PS, NW, NT, MASK_KIND, SUBNORMAL, WIDE, STAGES, MASK_HEADS, MMA, WL)
+            G, D, PS, NW, NT, MASK_KIND, SUBNORMAL, WIDE, STAGES, MASK_HEADS, MMA, WL, q_plain, cw, skm_p, qw,
+            qc, KCH)
     # combine the warps, then write this split's partial state (rotated basis, channel order)
     if SUBNORMAL:  # value channel c came out as 4^k c 2^-24
         oc_ = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
@@ -424,7 +491,7 @@ def _page_decode_kernel(
 
 def launch_pages(grid, qq, pos, lens, c0, kw, km, vw, vm, block_table, mask, mask_strides, mask_len, part_m, part_l,
                  part_o, keys_per_split, S, W, NS, H, G, D, PS, has_chunk, mask_kind, is_causal, num_warps=4, tiles=1,
-                 subnormal=True, stages=1, mask_bounds=None):
+                 subnormal=True, stages=1, mask_bounds=None, key_channel=False):
     """Launch :func:`_page_decode_kernel` (arguments as the Triton page region's; pools as int32 views).
 
     ``mask_bounds``: ``(first, last, one_interval)`` int32 ``[B, 3]`` of a bool mask whose rows every head
@@ -432,12 +499,17 @@ def launch_pages(grid, qq, pos, lens, c0, kw, km, vw, vm, block_table, mask, mas
     of a byte a key. Without it such a mask is read a byte a key."""
     use_bounds = mask_kind == 1 and mask_strides[1] == 0 and mask_bounds is not None
     bounds = mask_bounds if use_bounds else lens
+    if key_channel and not (tiles == 1 or (num_warps == 1 and tiles * 16 <= PS)):
+        raise ValueError(f"oscar: the Gluon decode kernel reads per-channel keys with one 16-key tile a warp, or one "
+                         f"warp whose tiles fit a page (got {num_warps} warps x {tiles} tiles, pages of {PS})")
+    meta_strides = (vm if key_channel else km).stride()  # the per-key metadata's (per-channel keys: the values')
     return _page_decode_kernel[grid](
         qq, pos, pos.stride(0), lens, lens.stride(0), c0, kw, km, vw, vm, block_table, block_table.stride(0),
-        kw.stride(0), kw.stride(1), km.stride(0), km.stride(1),
+        kw.stride(0), kw.stride(1), meta_strides[0], meta_strides[1],
         mask, mask_strides[0], mask_strides[1], mask_strides[3], mask_len, bounds, bounds.stride(0),
         part_m, part_l, part_o, keys_per_split, S, W, NS,
         H=H, G=G, D=D, PS=PS, NW=num_warps, NT=tiles, HAS_CHUNK=has_chunk, MASK_KIND=mask_kind,
         IS_CAUSAL=bool(is_causal), SUBNORMAL=bool(subnormal), WIDE=max(kw.numel(), km.numel()) >= 2**31,
         STAGES=stages, MASK_HEADS=mask_kind == 1 and mask_strides[1] != 0, MASK_BOUNDS=use_bounds, num_warps=num_warps,
+        skm_p=km.stride(0) if key_channel else 0, skm_h=km.stride(2) if key_channel else 0, KCH=bool(key_channel),
     )

@@ -144,17 +144,19 @@ def compile_store_ring(d=128, ps=32):
 
 
 def compile_gluon_decode(d=128, g=4, mask_kind=1, causal=True, num_warps=None, tiles=None, subnormal=True,
-                         stages=None, wide=False, mask_heads=True, mask_bounds=False):
+                         stages=None, wide=False, mask_heads=True, mask_bounds=False, kch=False, ps=16):
     """The Gluon decode kernel of the page region (:mod:`.gluon_decode`) for sm_90."""
     from . import triton_attention as ta
     from .gluon_decode import _page_decode_kernel
 
     cfg = ta.GLUON or ta.GLUON_WIDE
     num_warps, tiles, stages = num_warps or cfg.warps, tiles or cfg.tiles, stages or cfg.stages
-    const = dict(H=8, G=g, D=d, PS=16, NW=num_warps, NT=tiles, HAS_CHUNK=True, MASK_KIND=mask_kind, IS_CAUSAL=causal,
+    const = dict(H=8, G=g, D=d, PS=ps, NW=num_warps, NT=tiles, HAS_CHUNK=True, MASK_KIND=mask_kind, IS_CAUSAL=causal,
                  SUBNORMAL=subnormal, WIDE=wide, STAGES=stages, MASK_HEADS=mask_heads,
-                 MASK_BOUNDS=mask_bounds)
-    pointers = dict(ATTENTION_POINTERS, km_ptr="*i32", vm_ptr="*i32", mask_ptr="*u8", mb_ptr="*i32")  # metadata as (scale|min) words
+                 MASK_BOUNDS=mask_bounds, KCH=kch)
+    # metadata as (scale|min) words; per-channel keys (kch): the keys' fp16 page rows
+    pointers = dict(ATTENTION_POINTERS, km_ptr="*fp16" if kch else "*i32", vm_ptr="*i32", mask_ptr="*u8",
+                    mb_ptr="*i32")
     return compile_sm90(_page_decode_kernel, const, pointers, num_warps, divisible={"sc_p", "sc_s", "sm_p", "sbt_b"})
 
 
@@ -191,7 +193,12 @@ def launch_variants(d: int) -> dict:
             "gluon decode d=128, one mask row with bounds": lambda: compile_gluon_decode(d=128, mask_heads=False,
                                                                                         mask_bounds=True),
             "gluon decode d=128, 4 warps (narrow)": lambda: compile_gluon_decode(d=128, num_warps=4, stages=1),
-            "gluon decode d=128, int64 page offsets": lambda: compile_gluon_decode(d=128, wide=True)}
+            "gluon decode d=128, int64 page offsets": lambda: compile_gluon_decode(d=128, wide=True),
+            "gluon decode d=128, per-channel keys (pages of 32)": lambda: compile_gluon_decode(d=128, kch=True, ps=32),
+            "gluon decode d=128, per-channel keys, 4 warps (narrow)": lambda: compile_gluon_decode(
+                d=128, kch=True, ps=32, num_warps=4, tiles=1, stages=1),
+            "gluon decode d=128, per-channel keys, mask bounds": lambda: compile_gluon_decode(
+                d=128, kch=True, ps=32, mask_heads=False, mask_bounds=True)}
            if d == 128 else {}),
     }
 

@@ -1044,17 +1044,23 @@ class GluonConfig:
 # 1 x 128K (results/decode_attention_h200.json): fewer rows x KV heads than SMs take 4-warp programs.
 GLUON_WIDE = GluonConfig(warps=1, tiles=2, stages=2, per_sm=12)
 GLUON_NARROW = GluonConfig(warps=4, tiles=1, stages=1, per_sm=4)
+# Per-channel keys: the page-scaled query takes registers (234 against 156 with sm_90 ptxas): 8 one-warp programs fit
+# an SM, not 12
+GLUON_WIDE_KEY_CHANNEL = GluonConfig(warps=1, tiles=2, stages=2, per_sm=8)
 # OSCAR_GLUON_CONFIG='{"warps": 2, ...}' forces one launch shape for every call (benchmarks, profiling; read once).
 GLUON = GluonConfig(**json.loads(os.environ["OSCAR_GLUON_CONFIG"])) if os.environ.get("OSCAR_GLUON_CONFIG") else None
 
 
-def gluon_config(programs: int, sms: int) -> GluonConfig:
+def gluon_config(programs: int, sms: int, key_channel: bool = False) -> GluonConfig:
     """The Gluon kernel's launch shape for ``programs`` (rows x KV heads) on ``sms`` SMs."""
-    return GLUON or (GLUON_WIDE if programs >= sms else GLUON_NARROW)
+    return GLUON or ((GLUON_WIDE_KEY_CHANNEL if key_channel else GLUON_WIDE) if programs >= sms else GLUON_NARROW)
 
 
 # "auto": the Gluon kernel for the decode steps it takes, else "triton" everywhere (read once).
 PAGE_KERNEL = os.environ.get("OSCAR_PAGE_KERNEL", "auto")
+# The Gluon kernel reads per-channel keys (pages of 32+; each warp's B operand the query scaled by its page's scale)
+# only where this is on: it has not yet run on a GPU (read once; the Triton page kernel reads them otherwise).
+GLUON_KEY_CHANNEL = os.environ.get("OSCAR_GLUON_KEY_CHANNEL", "0") == "1"
 
 
 @functools.lru_cache(maxsize=8)
@@ -1083,7 +1089,8 @@ def choose_page_kernel(q, geo, k_codes, k_meta, t: int, mask_kind: int, dot_dtyp
         (not fragment_order.in_fragment_order(k_codes), "pages not in fragment order"),
         (geo.head_dim not in (64, 128, 256), f"head_dim {geo.head_dim}"),
         (q.shape[1] // geo.num_kv_heads > 8, "GQA group > 8"),
-        (geo.key_channel, "per-channel keys"),
+        (geo.key_channel and not GLUON_KEY_CHANNEL, "per-channel keys (OSCAR_GLUON_KEY_CHANNEL off)"),
+        (geo.key_channel and geo.page_size < 32, "per-channel keys in pages under 32"),  # a warp's 2 tiles: one page
         (geo.num_groups != 1 or k_meta.dtype != torch.float16, "metadata not one fp16 pair a row"),
         (mask_kind == 2, "additive mask"),
         (t != 1, "more than one query token"),
@@ -1125,7 +1132,7 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
     nc = 1 if filled and not splits and chunk_len >= 16 else 0
     bf16_keys = max(1, geo.num_sinks + geo.window + (0 if nc else chunk_len))  # sinks, ring and the new chunk
     page_kernel = page_kernel if tq == 1 else "triton"  # the Gluon kernel takes one query token a row
-    gluon = gluon_config(b * h, sms) if page_kernel == "gluon" else None
+    gluon = gluon_config(b * h, sms, geo.key_channel) if page_kernel == "gluon" else None
     if geo.drops_evicted:  # no pages (a sliding-window layer's ring-only storage): no page region at all
         nsplit, gluon, page_kernel = 0, None, "none"
     elif splits:
@@ -1481,10 +1488,11 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     elif plan.page_kernel == "gluon":
         cfg = plan.gluon
         LAST_LAUNCH["attention"] = _gluon_decode().launch_pages(
-            (b * h, plan.nsplit), qq, pos, lens, c0, kw, k_meta.view(torch.int32), vw, v_meta.view(torch.int32),
-            block_table, q if mask is None else mask, smk, mask_len, part_m, part_l, part_o, plan.keys_per_split,
-            geo.num_sinks, geo.window, ns, h, g, d, geo.page_size, has_chunk, mask_kind, is_causal,
-            num_warps=cfg.warps, tiles=cfg.tiles, stages=cfg.stages, mask_bounds=bounds)
+            (b * h, plan.nsplit), qq, pos, lens, c0, kw, k_meta if geo.key_channel else k_meta.view(torch.int32), vw,
+            v_meta.view(torch.int32), block_table, q if mask is None else mask, smk, mask_len, part_m, part_l, part_o,
+            plan.keys_per_split, geo.num_sinks, geo.window, ns, h, g, d, geo.page_size, has_chunk, mask_kind,
+            is_causal, num_warps=cfg.warps, tiles=cfg.tiles, stages=cfg.stages, mask_bounds=bounds,
+            key_channel=geo.key_channel)
     else:
         LAST_LAUNCH["attention"] = _attn_kernel[(b * h, plan.page_m_blocks, plan.nsplit)](
             *args, REGION=0, BLOCK_M=plan.page_m, BLOCK_N=plan.block_n, **meta, **page_opts)

@@ -204,7 +204,21 @@ def test_page_size_and_kernel_choice():
     args = big.attention_args(0, q, torch.tensor([[0]], device=DEV), torch.tensor([1], device=DEV))
     geo = check_cache(*args[3:12])
     assert geo.key_channel
-    assert choose_page_kernel(q, geo, args[3], args[4], 1, 0, torch.float16, "auto") == "triton"
+    from oscar_compile.kernels import triton_attention as ta
+
+    old = ta.GLUON_KEY_CHANNEL
+    try:  # the Gluon kernel reads pages of 32+ where OSCAR_GLUON_KEY_CHANNEL is on (and a GPU runs it)
+        ta.GLUON_KEY_CHANNEL = False
+        assert choose_page_kernel(q, geo, args[3], args[4], 1, 0, torch.float16, "auto") == "triton"
+        ta.GLUON_KEY_CHANNEL = True
+        want = "gluon" if DEV == "cuda" and ta._gluon_decode() is not None else "triton"
+        assert choose_page_kernel(q, geo, args[3], args[4], 1, 0, torch.float16, "auto") == want
+        small, _ = twin_caches(1, 128, 1, 64, 0, 4, 16, dtype=torch.float16, key_format="channel", device=DEV)
+        args16 = small.attention_args(0, q, torch.tensor([[0]], device=DEV), torch.tensor([1], device=DEV))
+        geo16 = check_cache(*args16[3:12])
+        assert choose_page_kernel(q, geo16, args16[3], args16[4], 1, 0, torch.float16, "auto") == "triton"
+    finally:
+        ta.GLUON_KEY_CHANNEL = old
 
 
 def test_non_finite_key_stays_in_its_page_and_head_small():
@@ -244,3 +258,17 @@ def test_decode_in_a_cuda_graph_gpu():
                            device="cuda", key_format="channel")
     replay_decode_in_cuda_graph(ref, got, prefill, steps, h * gqa, ATTN_TOL)
     _assert_same_cache(ref, got, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["wide", "narrow"])
+@pytest.mark.parametrize("d, gqa, ps", [(128, 4, 32), (64, 3, 64), (256, 2, 32)])
+def test_gluon_decode_reads_channel_pages_gpu(monkeypatch, d, gqa, ps, config):
+    """The Gluon decode kernel on per-channel keys (forced: each decode step raises if it declines), in both launch
+    shapes: one warp of two tiles inside a page, or four warps of one tile each (two pages a block)."""
+    from oscar_compile.kernels import triton_attention as ta
+
+    monkeypatch.setattr(ta, "GLUON_KEY_CHANNEL", True)
+    monkeypatch.setattr(ta, "GLUON", {"wide": ta.GLUON_WIDE_KEY_CHANNEL, "narrow": ta.GLUON_NARROW}[config])
+    _run(h=2, gqa=gqa, d=d, ps=ps, s=4, w=64, lengths=(900, 333, 1), decode_steps=40, dtype=torch.bfloat16,
+         seed=d + ps, page_kernel="gluon")
