@@ -12,9 +12,10 @@ OSCAR_GLUON_KEY_CHANNEL=1 timeout 200 python3 -m pytest -q -p no:cacheprovider t
   -k gpu -x > "$OUT/gluon_tests.log" 2>&1
 rc=$?
 grep -E "passed|failed|Error|error|assert" "$OUT/gluon_tests.log" | tail -n 12
-[ $rc = 0 ] && export OSCAR_GLUON_KEY_CHANNEL=1  # the bench's default kernel for these rows, if it passed
+[ $rc = 0 ] || export OSCAR_GLUON_KEY_CHANNEL=0  # the bench's default kernel for these rows, if it passed
 echo "== full shapes with the Triton page kernel"
-timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_key_channel.py -k full_shapes 2>&1 | tail -n 2
+OSCAR_GLUON_KEY_CHANNEL=0 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_key_channel.py \
+  -k full_shapes 2>&1 | tail -n 2
 # decode attention: the default kernel (Gluon if its tests passed), the Triton page kernel as configs
 timeout 170 python3 benchmarks/bench_decode.py --key-formats channel --no-store \
   --shapes 1x32768,1x131072,32x8192,64x4096,32x32768 \

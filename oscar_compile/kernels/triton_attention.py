@@ -956,8 +956,9 @@ def page_region_warps(batch: int, kv_heads: int, page_m_blocks: int, page_m: int
     program without splitting: 4 programs of 2 warps fit an SM where 2 of 4 do, so more key blocks are
     in flight (H200: 32 x 32K 946 vs 1109 us, 32 x 8K 280 vs 309, 64 x 4K 293 vs 330). 4 otherwise: at
     batch 1 the splits are short and 2 warps were slower (1 x 128K 191 vs 166 us), and 32-row prefill
-    blocks spill with 2 warps. ``key_pages`` (per-channel keys, several pages a block): 4, 2 spill (sm_90 ptxas:
-    255 registers and 512 bytes of spills for blocks of 4 pages of 32 at d = 128, none with 4 warps)."""
+    blocks spill with 2 warps. ``key_pages`` (per-channel keys, 4+ pages a block): 4, 2 spill (sm_90 ptxas: 255
+    registers and 512 bytes of spills for blocks of 4 pages of 32 at d = 128, none with 4 warps). Blocks of 2 pages
+    keep 2 warps where rows fill the GPU (H100, 32 x 8K: 409 us, 4 warps 511)."""
     return 2 if page_m <= 16 and not key_pages and batch * kv_heads * page_m_blocks >= _sm_count(device) else 4
 
 
@@ -1001,7 +1002,8 @@ BF16_BLOCK_N = 64
 # Per-channel keys: keys a block of the page region by head_dim, (few programs, programs filling the GPU): several
 # whole pages (:func:`_dequant_dot_key_pages`) or part of one; None: one page a block. H100, d = 128, pages of 32
 # (decode_attention_h100_key_formats_blocks.json): blocks of 4 pages beat 1 page at batch 1 (1 x 128K 224 vs 326 us) but
-# spilled at batch 32 with the 2-warp programs, where 2 pages were best (32 x 8K 409 vs 489 vs 516 us).
+# spilled at batch 32 with the 2-warp programs, where 2 pages were best (32 x 8K 409 vs 489 vs 516 us). (The Gluon
+# kernel reads decode steps' pages of 32+: this serves prefill, pages of 16 and debiased scores.)
 CHANNEL_BLOCK_N: dict[int, tuple[int, int]] | None = {64: (128, 128), 128: (128, 64), 256: (64, 64)}
 
 
@@ -1058,9 +1060,11 @@ def gluon_config(programs: int, sms: int, key_channel: bool = False) -> GluonCon
 
 # "auto": the Gluon kernel for the decode steps it takes, else "triton" everywhere (read once).
 PAGE_KERNEL = os.environ.get("OSCAR_PAGE_KERNEL", "auto")
-# The Gluon kernel reads per-channel keys (pages of 32+; each warp's B operand the query scaled by its page's scale)
-# only where this is on: it has not yet run on a GPU (read once; the Triton page kernel reads them otherwise).
-GLUON_KEY_CHANNEL = os.environ.get("OSCAR_GLUON_KEY_CHANNEL", "0") == "1"
+# The Gluon kernel reads per-channel keys in pages of 32+ (each warp's B operand the query scaled by its page's scale)
+# unless OSCAR_GLUON_KEY_CHANNEL=0 (read once). H100, d = 128, pages of 32 (results/decode_attention_h100_channel_gluon
+# .json): 1 x 128K 122 us against 199-325 for the Triton page kernel and 189 for BF16; 32 x 8K 143 against 497-603 and
+# 361; 32 x 32K 421 against 1855-2257 and 1379.
+GLUON_KEY_CHANNEL = os.environ.get("OSCAR_GLUON_KEY_CHANNEL", "1") == "1"
 
 
 @functools.lru_cache(maxsize=8)
@@ -1475,7 +1479,7 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     page_opts["KFOLD"] = bool(channel_fold)  # per-channel keys in blocks of whole pages: _dequant_dot_key_pages
     # warps: page_warps for the page region alone, else num_warps for both regions, else the heuristic
     page_opts["num_warps"] = page_warps or num_warps or page_region_warps(b, h, plan.page_m_blocks, plan.page_m, q.device,
-                                                                          geo.key_channel and plan.block_n > geo.page_size)
+                                                                          geo.key_channel and plan.block_n >= 4 * geo.page_size)
     cdt = _rows_type(kch.dtype, dt)  # the chunk launch's operands
     if dense_chunk and plan.nb != 1:  # pragma: no cover - the plan gives a prefill one BF16 split
         raise ValueError("oscar: the chunk's own launch needs the BF16 keys in one split (a prefill plan)")
