@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call: per-channel decode attention by the Gluon kernel and by the Triton page kernel in blocks of 1, 2 and
 # 4 pages (d = 128, pages of 32, against the fastest BF16 SDPA of the same run), and the per-channel GPU tests with
-# either kernel; with EVAL=1, after the Gemma 3 pieces were staged
-# (eval_gpu.sh stage, back-to-back calls), eval_gpu_fidelity.sh keys on Gemma 3 for LIMIT seconds.
-#   OUT=... [EVAL=1 LIMIT=420] bash benchmarks/gpu_channel_blocks.sh
+# either kernel (~8 minutes). With EVAL=1 instead, after the Gemma 3 pieces were staged (eval_gpu.sh stage,
+# back-to-back calls): eval_gpu_fidelity.sh keys on Gemma 3 for LIMIT seconds (per-token against per-channel keys).
+#   OUT=... [EVAL=1 LIMIT=540] bash benchmarks/gpu_channel_blocks.sh
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/oscar-gpu}
 mkdir -p "$OUT"
+if [ -n "$EVAL" ]; then MODELS=gemma3-270m LIMIT=${LIMIT:-540} bash benchmarks/eval_gpu_fidelity.sh keys "$OUT"; exit; fi
 CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
 echo "== per-channel GPU tests with the Gluon decode kernel (OSCAR_GLUON_KEY_CHANNEL=1)"
 OSCAR_GLUON_KEY_CHANNEL=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_key_channel.py \
@@ -21,4 +22,3 @@ timeout 170 python3 benchmarks/bench_decode.py --key-formats channel --no-store 
   --shapes 1x32768,1x131072,32x8192,64x4096,32x32768 \
   --configs '[{"page_kernel": "triton"}, {"page_kernel": "triton", "block_n": 32}, {"page_kernel": "triton", "block_n": 64, "page_warps": 4}, {"page_kernel": "triton", "block_n": 128, "page_warps": 8}, {"page_kernel": "triton", "block_n": 64, "page_warps": 4, "channel_fold": false}]' \
   --name "decode_attention_${CARD:-gpu}_channel_gluon" --out "$OUT" 2>&1 | grep "keys:" | cut -c1-300
-[ -n "$EVAL" ] && MODELS=gemma3-270m LIMIT=${LIMIT:-420} bash benchmarks/eval_gpu_fidelity.sh keys "$OUT"
