@@ -1,8 +1,10 @@
 """Triton kernels of per-channel keys (``key_format="channel"``) against the PyTorch reference ops.
 
 The store writes whole pages in its own launch (keys per channel over the page's tokens, values per token), from the
-ring and the chunk, then the ring; attention folds each page's per-channel scale into the query (page region) or
-dequantizes whole pages (the fused prefill's gather). Without a GPU they run in Triton's interpreter (tiny shapes).
+ring and the chunk, then the ring; attention folds each page's per-channel scale into the query (the Triton page
+region, in blocks of part of a page or several whole pages; the Gluon decode kernel, a warp's tiles in one page) or
+dequantizes whole pages (the fused prefill's gather). Without a GPU they run in Triton's interpreter (tiny shapes);
+the Gluon kernel runs on a GPU only.
 
 Tolerances: the store's transform is an fp32-accurate dot, so the INT2 codes and the (scale, min) of a page match the
 reference except where a rounding tie moves by one code (allowed for 0.5% of codes, as for per-token pages); the
