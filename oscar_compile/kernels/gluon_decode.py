@@ -217,8 +217,7 @@ def _page_loop(q_op, qsum, kc_h, vc_h, km_h, vm_h, bt_row, mask_ptr, b, h, smk_b
                sc_p, sc_s, sm_p, sm_s, lo, hi, S, row_pos, first, wr, word_in_group, key_in_block, heads,
                G: gl.constexpr, D: gl.constexpr, PS: gl.constexpr, NW: gl.constexpr, NT: gl.constexpr,
                MASK_KIND: gl.constexpr, SUBNORMAL: gl.constexpr, WIDE: gl.constexpr, STAGES: gl.constexpr,
-               MASK_HEADS: gl.constexpr, MMA: gl.constexpr, WL: gl.constexpr, q=None, cw=None, skm_p=0, qw=None,
-               qc=None, KCH: gl.constexpr = False):
+               MASK_HEADS: gl.constexpr, MMA: gl.constexpr, WL: gl.constexpr, q, cw, skm_p, qw, qc, KCH: gl.constexpr):
     """The online softmax over the page keys ``[lo, hi)`` of one (row, KV head): its state ``(m, l, sum P min, O)``.
 
     MASK_KIND 0: no mask; 1: a bool mask read a byte a key (and head, MASK_HEADS); 3: the row's visible keys are

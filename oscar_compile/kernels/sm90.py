@@ -179,8 +179,8 @@ def launch_variants(d: int) -> dict:
         # per-channel keys (key_format="channel", pages of 32): page region, gather, the store's three launches
         f"decode pages, per-channel keys d={d}": lambda: compile_attention(d=d, block_m=16, block_n=bn_pages, region=0,
                                                                             kch=True, ps=32),
-        f"prefill pages, per-channel keys d={d}": lambda: compile_attention(d=d, block_m=32, block_n=bn_pages,
-                                                                             region=0, prefill=True, kch=True, ps=32),
+        f"prefill pages, per-channel keys d={d}": lambda: compile_attention(d=d, block_m=32, block_n=32, region=0,
+                                                                             prefill=True, kch=True, ps=32),
         f"prefill gather, per-channel keys d={d}": lambda: compile_gather(d=d, kch=True),
         f"store chunk, per-channel keys d={d}": lambda: compile_store(d=d, chunk_only=True),
         f"store pages, per-channel keys d={d}": lambda: compile_store_pages(d=d),

@@ -97,29 +97,22 @@ def _page_end(length, c0, S, W, PS: tl.constexpr, KCH: tl.constexpr):
 
 
 @triton.jit
-def _key_channels(km_ptr, bt_ptr, b, sbt_b, j0, hi, S, h, sm_p, sm_h, uperm, PS: tl.constexpr, D: tl.constexpr):
-    """Per-channel keys: the (scale, min) of the page holding keys ``j0 ..`` (a block never crosses a page), in the
-    unpacked channel order ``uperm``, fp32 ``[D]`` each (zeros past ``hi``)."""
-    ok = j0 < hi
-    page = tl.load(bt_ptr + b * sbt_b + tl.where(ok, j0 - S, 0) // PS, mask=ok, other=0).to(tl.int64)
-    base = km_ptr + tl.maximum(page, 0) * sm_p + h * sm_h
-    ok_d = (uperm * 0 + j0) < hi  # a vector mask: `vector & scalar bool` fails in Triton 3.9's interpreter
-    sc = tl.load(base + uperm, mask=ok_d, other=0.0).to(tl.float32)
-    mn = tl.load(base + D + uperm, mask=ok_d, other=0.0).to(tl.float32)
-    return sc, mn
-
-
-@triton.jit
-def _key_pages(km_ptr, bt_ptr, b, sbt_b, j0, hi, S, h, sm_p, sm_h, uperm, PS: tl.constexpr, D: tl.constexpr,
-               NP: tl.constexpr):
-    """Per-channel keys, a block of ``NP`` whole pages from key ``j0`` (page-aligned): each page's (scale, min) in
-    the unpacked channel order ``uperm``, fp32 ``[NP, D]`` each (zeros for pages from ``hi`` on)."""
-    first = j0 + PS * tl.arange(0, NP)  # each page's first key
+def _key_channels(km_ptr, bt_ptr, b, sbt_b, j0, hi, S, h, sm_p, sm_h, uperm, PS: tl.constexpr, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Per-channel keys: the (scale, min) of the block of keys from ``j0``, in the unpacked channel order ``uperm``,
+    fp32: ``[NP, D]`` each for a page-aligned block of ``NP`` whole pages, ``[D]`` for a block within one page;
+    zeros for pages from ``hi`` on."""
+    NP: tl.constexpr = (BLOCK_N + PS - 1) // PS
+    first = j0 + PS * tl.arange(0, NP)  # each page's first key (``j0`` for a block within a page)
     page = _page_of(bt_ptr, b, sbt_b, first, hi, S, PS)
     base = km_ptr + page[:, None] * sm_p + h * sm_h + uperm[None, :]
-    ok = (first[:, None] + uperm[None, :] * 0) < hi
+    ok = (first[:, None] + uperm[None, :] * 0) < hi  # a full-shape mask: `vector & scalar bool` fails in Triton
+    # 3.9's interpreter
     sc = tl.load(base, mask=ok, other=0.0).to(tl.float32)
     mn = tl.load(base + D, mask=ok, other=0.0).to(tl.float32)
+    if BLOCK_N <= PS:
+        sc = tl.reshape(sc, (D,))
+        mn = tl.reshape(mn, (D,))
     return sc, mn
 
 
@@ -496,25 +489,18 @@ def _attn_kernel(
         kw, km, vw, vm = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page_n, lo + nblk, hi, S, h,
                                           sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N, D, NG, ALIGNED, FRAG, KCH)
         # per-channel keys (KCH): the block's pages' key scales and minimums, one block ahead like the codes; a
-        # block is part of one page (_key_channels) or NP whole pages (_key_pages)
+        # block is part of one page or NP whole pages
         NP: tl.constexpr = (BLOCK_N + PS - 1) // PS
         if KCH:
-            if BLOCK_N > PS:
-                ksc, kmn = _key_pages(km_ptr, bt_ptr, b, sbt_b, lo, hi, S, h, skm_p, skm_h, uperm, PS, D, NP)
-            else:
-                ksc, kmn = _key_channels(km_ptr, bt_ptr, b, sbt_b, lo, hi, S, h, skm_p, skm_h, uperm, PS, D)
+            ksc, kmn = _key_channels(km_ptr, bt_ptr, b, sbt_b, lo, hi, S, h, skm_p, skm_h, uperm, PS, D, BLOCK_N)
         page_n = _page_of(bt_ptr, b, sbt_b, lo + BLOCK_N + nblk, hi, S, PS)
         for j0 in range(lo, hi, BLOCK_N):
             kw_n, km_n, vw_n, vm_n = _load_page_block(kc_ptr, km_ptr, vc_ptr, vm_ptr, page_n, j0 + BLOCK_N + nblk,
                                                       hi, S, h, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, PS, BLOCK_N,
                                                       D, NG, ALIGNED, FRAG, KCH)
             if KCH:
-                if BLOCK_N > PS:
-                    ksc_n, kmn_n = _key_pages(km_ptr, bt_ptr, b, sbt_b, j0 + BLOCK_N, hi, S, h, skm_p, skm_h, uperm,
-                                              PS, D, NP)
-                else:
-                    ksc_n, kmn_n = _key_channels(km_ptr, bt_ptr, b, sbt_b, j0 + BLOCK_N, hi, S, h, skm_p, skm_h,
-                                                 uperm, PS, D)
+                ksc_n, kmn_n = _key_channels(km_ptr, bt_ptr, b, sbt_b, j0 + BLOCK_N, hi, S, h, skm_p, skm_h, uperm,
+                                             PS, D, BLOCK_N)
             page_n = _page_of(bt_ptr, b, sbt_b, j0 + 2 * BLOCK_N + nblk, hi, S, PS)
             j = j0 + nblk
             key_ok = j < hi
@@ -1169,6 +1155,19 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
                          bf16_per_split, nb, temp, page_kernel, gluon, nc)
 
 
+def channel_block_n(b: int, h: int, g: int, t: int, d: int, page: int, sms: int) -> int:
+    """Keys a block of the page region reads with per-channel keys. A decode step: several whole pages
+    (:data:`CHANNEL_BLOCK_N`, by whether its ``b x h`` programs fill the ``sms`` SMs; None: one page). A prefill
+    tile: within one page, as before blocks of pages (a prefill's 32-row blocks of 4 pages of 32 spill 476 bytes at
+    d = 128, sm_90 ptxas)."""
+    if CHANNEL_BLOCK_N is None:
+        return page
+    if t != 1:
+        return min(64 if d > 128 else 128, page)
+    few, many = CHANNEL_BLOCK_N.get(d, (page, page))
+    return few if b * h * triton.cdiv(g, 16) < sms else many
+
+
 def plan_attention(b: int, hq: int, t: int, geo, device, block_n: int | None = None, splits: int | None = None,
                    budget: int = TEMP_BYTES_BUDGET, chunk_len: int | None = None,
                    page_kernel: str = "triton", fused: bool = False) -> AttentionPlan:
@@ -1180,9 +1179,8 @@ def plan_attention(b: int, hq: int, t: int, geo, device, block_n: int | None = N
     h, d = geo.num_kv_heads, geo.head_dim
     g = hq // h
     sms = _sm_count(device) if isinstance(device, torch.device) else int(device)
-    if geo.key_channel and not block_n:  # per-channel keys: a block is part of a page or whole pages
-        few, many = CHANNEL_BLOCK_N.get(d, (geo.page_size,) * 2) if CHANNEL_BLOCK_N is not None else (geo.page_size,) * 2
-        block_n = few if b * h * triton.cdiv(g * max(t, 1), 16) < sms else many
+    if geo.key_channel and not block_n:
+        block_n = channel_block_n(b, h, g, t, d, geo.page_size, sms)
     block_n = block_n or (64 if d > 128 else 128)
     chunk_len = t if chunk_len is None else chunk_len
     tq = max(t, 1)

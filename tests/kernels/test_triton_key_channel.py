@@ -120,9 +120,9 @@ def test_blocks_of_whole_pages_small(block_n, fold, debias):
          block_n=block_n, splits=3, gather_prefix=False, channel_fold=fold, debias=debias)
 
 
-def test_default_block_is_whole_pages():
-    # per-channel keys read CHANNEL_BLOCK_N keys a block (several small pages), part of a page where the page is
-    # larger, and one page a block where CHANNEL_BLOCK_N is None
+def test_default_block_is_whole_pages(monkeypatch):
+    # per-channel keys: a decode step reads CHANNEL_BLOCK_N keys a block (several small pages, part of a page where
+    # the page is larger), a prefill tile at most a page a block, and so does everything where CHANNEL_BLOCK_N is None
     from oscar_compile.kernels import triton_attention as ta
 
     for d, ps, few, many in ((128, 32, 128, 64), (64, 16, 128, 128), (256, 32, 64, 64), (128, 256, 128, 64)):
@@ -133,12 +133,9 @@ def test_default_block_is_whole_pages():
         for batch, want in ((1, few), (200, many)):  # 1 or 200 (row, KV head) programs on 132 SMs
             plan = ta.plan_attention(batch, 2, 1, geo, 132)
             assert plan.block_n == want and plan.keys_per_split % max(ps, want) == 0
-    old = ta.CHANNEL_BLOCK_N
-    try:
-        ta.CHANNEL_BLOCK_N = None
-        assert ta.plan_attention(1, 2, 1, geo, 132).block_n == ps
-    finally:
-        ta.CHANNEL_BLOCK_N = old
+        assert ta.plan_attention(1, 2, 64, geo, 132).block_n == min(ps, 64 if d > 128 else 128)  # prefill: one page
+    monkeypatch.setattr(ta, "CHANNEL_BLOCK_N", None)
+    assert ta.plan_attention(1, 2, 1, geo, 132).block_n == ps
 
 
 @pytest.mark.parametrize("key_format, group", [("channel", None), ("token", None), ("token", 32)])
@@ -191,7 +188,7 @@ def test_debias_brings_the_int2_share_back_toward_exact_keys(key_format):
         assert abs(bias_left) < 0.7 * inflation
 
 
-def test_page_size_and_kernel_choice():
+def test_page_size_and_kernel_choice(monkeypatch):
     # a block of keys lies within a page: pages of 16, 32, ... tokens only (else the reference serves CUDA)
     assert triton_supported(64, 1, 16) and triton_supported(128, 1, 64) and triton_supported(64, 1, 0)
     assert not triton_supported(64, 1, 8) and not triton_supported(64, 1, 24)
@@ -208,19 +205,16 @@ def test_page_size_and_kernel_choice():
     assert geo.key_channel
     from oscar_compile.kernels import triton_attention as ta
 
-    old = ta.GLUON_KEY_CHANNEL
-    try:  # the Gluon kernel reads pages of 32+ where OSCAR_GLUON_KEY_CHANNEL is on (and a GPU runs it)
-        ta.GLUON_KEY_CHANNEL = False
-        assert choose_page_kernel(q, geo, args[3], args[4], 1, 0, torch.float16, "auto") == "triton"
-        ta.GLUON_KEY_CHANNEL = True
-        want = "gluon" if DEV == "cuda" and ta._gluon_decode() is not None else "triton"
-        assert choose_page_kernel(q, geo, args[3], args[4], 1, 0, torch.float16, "auto") == want
-        small, _ = twin_caches(1, 128, 1, 64, 0, 4, 16, dtype=torch.float16, key_format="channel", device=DEV)
-        args16 = small.attention_args(0, q, torch.tensor([[0]], device=DEV), torch.tensor([1], device=DEV))
-        geo16 = check_cache(*args16[3:12])
-        assert choose_page_kernel(q, geo16, args16[3], args16[4], 1, 0, torch.float16, "auto") == "triton"
-    finally:
-        ta.GLUON_KEY_CHANNEL = old
+    # the Gluon kernel reads pages of 32+ where OSCAR_GLUON_KEY_CHANNEL is on (and a GPU runs it)
+    monkeypatch.setattr(ta, "GLUON_KEY_CHANNEL", False)
+    assert choose_page_kernel(q, geo, args[3], args[4], 1, 0, torch.float16, "auto") == "triton"
+    monkeypatch.setattr(ta, "GLUON_KEY_CHANNEL", True)
+    want = "gluon" if DEV == "cuda" and ta._gluon_decode() is not None else "triton"
+    assert choose_page_kernel(q, geo, args[3], args[4], 1, 0, torch.float16, "auto") == want
+    small, _ = twin_caches(1, 128, 1, 64, 0, 4, 16, dtype=torch.float16, key_format="channel", device=DEV)
+    args16 = small.attention_args(0, q, torch.tensor([[0]], device=DEV), torch.tensor([1], device=DEV))
+    geo16 = check_cache(*args16[3:12])
+    assert choose_page_kernel(q, geo16, args16[3], args16[4], 1, 0, torch.float16, "auto") == "triton"
 
 
 def test_non_finite_key_stays_in_its_page_and_head_small():
