@@ -145,8 +145,9 @@ def run_shape(model, name, batch, prompt, new, chunk, mode, label, opts, weights
 
 
 CONFIGS = {  # key: (label, options, compile mode: None = the --mode argument)
-    "int2": ("oscar INT2", {}, None),
+    "int2": ("oscar INT2", {}, None),  # the backend's defaults: keys per channel since 2026-12-05, per token before
     "int2-channel": ("oscar INT2, per-channel keys (pages of 32)", {"key_format": "channel", "page_size": 32}, None),
+    "int2-token": ("oscar INT2, per-token keys (pages of 16)", {"key_format": "token"}, None),
     "off": ("oscar, quantize off", {"quantize": False}, None),
     "eager": ("bf16 StaticCache eager", "eager", None),
     "inductor": ("bf16 StaticCache + inductor (default mode)", None, "default"),

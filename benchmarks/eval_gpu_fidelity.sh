@@ -7,8 +7,8 @@
 #   with the calibration rows all at position 0.
 # all: short and long at once (for two models the five processes outgrew the H200's 139 GiB on 2026-12-05 and the
 #   long runs died: run short, then long). long: each model's 8K (64 x 128) and, where the model serves it, 32K (20 x 128), with retrieval at that length.
-# keys: per-token against per-channel keys over pages of 32 and 64 tokens (`default:c32`, `default:c64`; the
-#   Triton kernels since 2026-12-05), 2K (256 x 64) and 8K (64 x 128), retrieval at 24 prompts a length.
+# keys: per-token keys (`default:t`) against per-channel keys over pages of 32 (`default`, since 2026-12-05) and 64
+#   tokens (`default:c64`), 2K (256 x 64) and 8K (64 x 128), retrieval at 24 prompts a length.
 # Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU)
 # staged with `eval_gpu.sh stage` (see that script). The evals stop after LIMIT seconds (default 540, under the call's
 # 600) and what they measured is packed into OUT/results.tgz: a call brings back at most 8 files.
@@ -24,6 +24,7 @@ gguf_of() {
   esac
 }
 E="bash benchmarks/eval_gpu.sh run"
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
 for m in $MODELS; do  # reassemble, unpack and convert once: then a model's runs may start side by side
   bash benchmarks/eval_gpu.sh py "$(gguf_of $m)" -c "from oscar_compile.assets import model_dir; model_dir('$m')" || exit 1
 done
@@ -49,8 +50,8 @@ long() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
 }
 keys() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
   $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" \
-     --methods bf16,default,default:c32,default:c64 --retrieval-lengths "$2" --retrieval-samples 4 --out "$W" \
-     --name "eval_$1_h200_$(($2 / 1024))k_keys" > "$W/$1_$2_keys.log" 2>&1
+     --methods bf16,default:t,default,default:c64 --retrieval-lengths "$2" --retrieval-samples 4 --out "$W" \
+     --name "eval_$1_${CARD}_$(($2 / 1024))k_keys" > "$W/$1_$2_keys.log" 2>&1
 }
 for m in $MODELS; do
   case $1 in keys) keys $m 2048 256 64 & keys $m 8192 64 128 & ;; esac

@@ -6,7 +6,7 @@
 #   OUT=... [EVAL=1 LIMIT=540] bash benchmarks/gpu_channel_blocks.sh
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/oscar-gpu}
 mkdir -p "$OUT"
-if [ -n "$EVAL" ]; then MODELS=gemma3-270m LIMIT=${LIMIT:-540} bash benchmarks/eval_gpu_fidelity.sh keys "$OUT"; exit; fi
+if [ -n "$EVAL" ]; then MODELS=${MODELS:-gemma3-270m} LIMIT=${LIMIT:-540} bash benchmarks/eval_gpu_fidelity.sh keys "$OUT"; exit; fi
 CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr H h)
 echo "== per-channel GPU tests with the Gluon decode kernel (OSCAR_GLUON_KEY_CHANNEL=1)"
 OSCAR_GLUON_KEY_CHANNEL=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_key_channel.py \

@@ -10,8 +10,10 @@ from pathlib import Path
 
 
 def _memory(args) -> int:
+    from .backend import resolve_page_size
     from .cache import PagedInt2KVCache
 
+    args.page_size = resolve_page_size(args.key_format, args.page_size, "oscar memory")
     for d in args.head_dim:
         cache = PagedInt2KVCache(args.layers, args.kv_heads, d, max_seq_len=1, page_size=args.page_size,
                                  num_sinks=args.sinks, window=args.window, group_size=args.group_size,
@@ -109,7 +111,9 @@ def _eval(args) -> int:
                 options["layer_group_sizes"] = group_sizes[n]
                 for size in sorted(set(group_sizes[n].values())):
                     label += f" g{size} L{','.join(str(k) for k, g in sorted(group_sizes[n].items()) if g == size)}"
-            if read_options[n].get("page_size"):
+            if read_options[n].get("key_format") == "token":
+                label += " keys per token"
+            elif read_options[n].get("page_size"):
                 label += f" keys per channel x{read_options[n]['page_size']}"
             if read_options[n].get("score_debias"):
                 label += f" debias {read_options[n]['score_debias']:g}"
@@ -224,15 +228,18 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     calibration rows spread over 2048 positions (p0: all at position 0), overriding ``--calib-positions`` for that
     method, so several spreads share one run's tokens and its bf16; "method:g32.4-10.20": groups of 32 channels in
     layers 4 to 10 and 20 (the backend's layer_group_sizes); "method:c32": keys per channel over pages of 32
-    tokens (the backend's key_format="channel", page_size=32); "method:d" ("method:d0.5"): INT2 scores debiased
+    tokens (the backend's key_format="channel", page_size=32; the default); "method:t": keys per token (the backend's
+    key_format="token", pages of 16); "method:d" ("method:d0.5"): INT2 scores debiased
     by 1 (0.5) times half their rounding noise's variance (the backend's score_debias). The last two come back as
     each method's backend options."""
+    from .backend import DEFAULT_PAGE_SIZE
+
     base, seq_of, positions_of, bf16_layers, group_sizes = {}, {}, {}, {}, {}
     read_options = {}
     usage = ("':L<layer>' keeps a layer in BF16, ':p<tokens>' spreads the calibration rows, ':g<size>.<layers>' "
              "(e.g. g32.4-10.20) gives layers their own group size, ':c<tokens>' quantizes keys per channel over "
-             "pages of that many tokens and ':d' (':d<c>', c in (0, 4]) debiases INT2 scores (an oscar method only, "
-             "e.g. default:L0:p2048:g32.7:c32:d)")
+             "pages of that many tokens (the default: c32), ':t' per token, and ':d' (':d<c>', c in (0, 4]) debiases "
+             "INT2 scores (an oscar method only, e.g. default:L0:p2048:g32.7:c32:d)")
     for n in names:
         head, *tags = n.split(":")
         base[n], _, seq = head.partition("@")
@@ -241,8 +248,11 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         group_tags = [t for t in tags if t.startswith("g")]
         channel_tags = [t for t in tags if t.startswith("c") and t[1:].isdigit() and int(t[1:]) >= 2]
         debias_tags = [t for t in tags if t.startswith("d") and _debias_value(t) is not None]
+        channel_tags += [t for t in tags if t == "t"]  # a key format either way: at most one of c<tokens> and t
         read_options[n] = {}
-        if channel_tags:
+        if channel_tags == ["t"]:
+            read_options[n].update(key_format="token", page_size=DEFAULT_PAGE_SIZE["token"])
+        elif len(channel_tags) == 1:  # more than one: refused below
             read_options[n].update(key_format="channel", page_size=int(channel_tags[0][1:]))
         if debias_tags:
             read_options[n]["score_debias"] = _debias_value(debias_tags[0])
@@ -394,9 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--context", type=int, nargs="+", default=[4096, 32768, 131072])
     mem.add_argument("--sinks", type=int, default=64)
     mem.add_argument("--window", type=int, default=256)
-    mem.add_argument("--key-format", default="token", choices=["token", "channel"],
-                     help="channel: keys quantized per channel over each page's tokens (2 + 32/page bits)")
-    mem.add_argument("--page-size", type=int, default=16)
+    mem.add_argument("--key-format", default="channel", choices=["token", "channel"],
+                     help="channel (the backend's default): keys quantized per channel over each page's tokens "
+                          "(2 + 32/page bits); token: per token in groups of channels, as values")
+    mem.add_argument("--page-size", type=int, default=None, help="tokens a page (default: 32 per channel, 16 per token)")
     mem.add_argument("--group-size", type=int, default=None)
     mem.set_defaults(func=_memory)
 

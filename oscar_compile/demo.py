@@ -54,6 +54,7 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
     from .assets import cache_dir, load_text
     from .calibration import (ArtifactError, check_layers, collect_statistics, derive_artifacts, load_artifacts,
                               parse_method, token_batches)
+    from .backend import DEFAULT_PAGE_SIZE, BackendOptions
     from .calibration.tracer import resolve_position_range
 
     position_range = resolve_position_range(model, position_range, seq_len)  # resolved once: it names the cache
@@ -62,6 +63,8 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
         seq = "" if seq_len == 512 else f"-s{seq_len}"
         seq += f"-p{position_range}" if position_range else ""
         check = f"-c{check_len}x{check_seqs}-sw{num_sinks}_{window}" if checked else ""
+        # the check measures the backend's key format: per-token checks (before 2026-12-05) keep their old names
+        check += f"-kc{DEFAULT_PAGE_SIZE['channel']}" if checked and BackendOptions.key_format == "channel" else ""
         return cache_dir() / "artifacts" / f"{model_name}-{parse_method(method).name}-{tokens}{seq}{check}"
 
     if check_len:
@@ -121,7 +124,7 @@ def cached_artifacts(model, tok, model_name: str, method: str, tokens: int, prog
 def run_demo(model_name: str = "smollm2-135m", method: str = "default", calib_tokens: int = 16384,
              num_sinks: int = 16, window: int = 64, new_tokens: int = 40, ppl_context: int = 512, ppl_decode: int = 32) -> int:
     from .assets import load_model, load_text
-    from .backend import oscar_backend
+    from .backend import BackendOptions, oscar_backend, resolve_page_size
     from .evaluation import Method, Session, bits_per_element, perplexity_nll
     from .explainer import explain
     from .hf import OscarCache
@@ -164,8 +167,8 @@ def run_demo(model_name: str = "smollm2-135m", method: str = "default", calib_to
         outs = {}
         for label, opts in (("bf16", {"quantize": False}), ("INT2", {})):
             torch._dynamo.reset()
-            compiled = torch.compile(model, backend=oscar_backend(art, inductor=False, num_sinks=num_sinks,
-                                                                   window=window, **opts))
+            backend = oscar_backend(art, inductor=False, num_sinks=num_sinks, window=window, **opts)
+            compiled = torch.compile(model, backend=backend)
             cache = OscarCache(model, max_cache_len=ids.shape[1] + new_tokens + 1)
             kw = {cache_kwarg(model): cache, "use_cache": True}
             gen = []
@@ -178,7 +181,8 @@ def run_demo(model_name: str = "smollm2-135m", method: str = "default", calib_to
                     gen.append(int(nxt))
                     logits = compiled(nxt, **kw).logits[:, -1]
             outs[label] = tok.decode(gen, skip_special_tokens=True).strip()
-        quantized = max(0, ids.shape[1] - num_sinks - window)
+        # tokens in INT2 pages: those past the sinks and the window, in whole pages for per-channel keys
+        quantized = max((c.quantized_tokens(ids.shape[1]) for c in backend.storage.values()), default=0)
         print(f"   prompt ({ids.shape[1]} tokens, {quantized} of them in INT2 pages when decoding starts):")
         print(f"     {template[:60].splitlines()[0]!r}")
         for label, text in outs.items():
@@ -188,8 +192,9 @@ def run_demo(model_name: str = "smollm2-135m", method: str = "default", calib_to
     from .cache import PagedInt2KVCache
     from .hf import kv_geometry
 
+    fmt = BackendOptions.key_format  # the backend's layout: keys per channel over pages of 32 by default
     cache = PagedInt2KVCache(model.config.num_hidden_layers, *kv_geometry(model), max_seq_len=1, num_sinks=num_sinks,
-                             window=window, device="meta")
+                             window=window, key_format=fmt, page_size=resolve_page_size(fmt, None), device="meta")
     for ctx in (1024, 8192):
         print("   " + str(cache.memory_report(ctx)))
     from .hf import sliding_windows

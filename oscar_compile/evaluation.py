@@ -47,7 +47,7 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
     over every layer. Sliding-window layers hold fewer tokens than the context: ``min(window, context)`` in
     BF16 (transformers' own sliding layers) and, for the oscar methods, their BF16 ring of
     ``window + max_chunk - 1`` tokens (the default ``sliding_storage="ring"``)."""
-    from .backend import BackendOptions
+    from .backend import BackendOptions, resolve_page_size
     from .hf import sliding_windows
 
     heads, d = kv_geometry(model_config)
@@ -57,7 +57,8 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
     layers = model_config.num_hidden_layers
     slides = sliding_windows(model_config)
     def int2_bits(group_size):
-        layout = {k: method.options[k] for k in ("page_size", "key_format") if k in method.options}
+        key_format = method.options.get("key_format", BackendOptions.key_format)  # the backend's layout
+        layout = dict(key_format=key_format, page_size=resolve_page_size(key_format, method.options.get("page_size")))
         cache = PagedInt2KVCache(1, heads, d, max_seq_len=1, num_sinks=num_sinks, window=window,
                                  group_size=group_size, dtype=cache_dtype, device="meta", **layout)
         return cache.memory_report(context).bits_per_element

@@ -296,8 +296,13 @@ class TinyDecoder(torch.nn.Module):
 def hadamard_reference_cache(model, batch: int, max_len: int, dtype=torch.float32, device="cpu",
                              **cache_options) -> PagedInt2KVCache:
     """An INT2 cache shaped for ``model`` with the transforms the backend uses without artifacts (Hadamard),
-    every row allocated to ``max_len``: the cache :func:`reference_attention` calls the ops on."""
+    every row allocated to ``max_len``: the cache :func:`reference_attention` calls the ops on. Its key format and
+    page size are the backend's defaults unless ``cache_options`` name them."""
+    from .backend import BackendOptions, resolve_page_size
     from .hf import _model_config, kv_geometry
+
+    cache_options.setdefault("key_format", BackendOptions.key_format)
+    cache_options["page_size"] = resolve_page_size(cache_options["key_format"], cache_options.get("page_size"))
 
     h, d = kv_geometry(model)
     layers = _model_config(model).num_hidden_layers

@@ -71,8 +71,9 @@ def test_teacher_forced_perplexity_matches_a_direct_computation():
     nll, n = perplexity_nll(s, tokens, 20)
     assert n == 2 * 9
     assert math.isclose(nll, _teacher_forced_reference(model, tokens, 20), rel_tol=1e-4)
-    s = Session(model, Method("int2", "oscar", None, {"rotation": "hadamard"}), 2, 30, num_sinks=2, window=4,
-                cache_dtype=torch.float32)
+    # pages of 4: the default per-channel keys quantize whole pages, and pages of 32 would not fill in 30 tokens
+    s = Session(model, Method("int2", "oscar", None, {"rotation": "hadamard", "page_size": 4}), 2, 30, num_sinks=2,
+                window=4, cache_dtype=torch.float32)
     nll_q, _ = perplexity_nll(s, tokens, 20)
     assert nll_q != nll  # the scored steps read INT2 history
 
@@ -131,17 +132,23 @@ def test_retrieve_runs_the_question_through_decode_steps():
 def test_bits_and_report(tmp_path):
     model = tiny_model("llama")
     bf = bits_per_element(model.config, Method("bf16", "bf16"), 4096, 64, 256)
-    int2 = bits_per_element(model.config, Method("x"), 1 << 17, 64, 256)
-    assert bf == 16.0 and 4.0 < int2 < 4.1  # head_dim 16: 2 + 32/16 bits, plus the BF16 sinks/window share
+    # the backend's default key format: keys per channel over pages of 32 (2 + 32/32 bits), values per token in one
+    # group a row (head_dim 16: 2 + 32/16 bits), plus the BF16 sinks/window share
+    default = bits_per_element(model.config, Method("x"), 1 << 17, 64, 256)
+    assert bf == 16.0 and 3.5 < default < 3.6
+    tok = {"key_format": "token"}  # keys per token as values: 2 + 32/16 bits for both
+    int2 = bits_per_element(model.config, Method("x", options=tok), 1 << 17, 64, 256)
+    assert 4.0 < int2 < 4.1
     # a layer kept in BF16 (bf16_layers) holds every token in 16 bits
     layers = model.config.num_hidden_layers
-    one_dense = bits_per_element(model.config, Method("x", options={"bf16_layers": (0,)}), 1 << 17, 64, 256)
+    one_dense = bits_per_element(model.config, Method("x", options={"bf16_layers": (0,), **tok}), 1 << 17, 64, 256)
     assert math.isclose(one_dense, (int2 * (layers - 1) + 16) / layers)
     # a layer with its own group size (layer_group_sizes) counts its own metadata: groups of 4 at head_dim 16 carry
     # 2 x 16 bits per 4 elements, 6 bits more an element than one group a row... unless it is also kept in BF16
-    regrouped = bits_per_element(model.config, Method("x", options={"layer_group_sizes": {1: 4}}), 1 << 17, 64, 256)
+    regrouped = bits_per_element(model.config, Method("x", options={"layer_group_sizes": {1: 4}, **tok}), 1 << 17, 64,
+                                 256)
     assert math.isclose(regrouped, int2 + 6 * (1 - 320 / (1 << 17)) / layers, rel_tol=1e-6), (regrouped, int2)
-    both = Method("x", options={"layer_group_sizes": {0: 4}, "bf16_layers": (0,)})
+    both = Method("x", options={"layer_group_sizes": {0: 4}, "bf16_layers": (0,), **tok})
     assert math.isclose(bits_per_element(model.config, both, 1 << 17, 64, 256), one_dense)
     # a sliding layer holds its window (BF16) or its ring (oscar: window 8 + max_chunk 100 - 1 tokens in BF16)
     cfg = tiny_model("gemma3").config
@@ -228,6 +235,8 @@ def test_method_specs_read_sequence_layers_and_positions_per_method():
                                                  "default", "default"])}
     # ':c<tokens>': keys per channel over pages of that many tokens; ':d' / ':d<c>': debiased INT2 scores
     assert options["default:c32"] == {"key_format": "channel", "page_size": 32} and options["default"] == {}
+    token = _method_specs(["default:t", "default:t:L0"], 512, "auto")[-1]  # ':t': keys per token, pages of 16
+    assert token["default:t"] == token["default:t:L0"] == {"key_format": "token", "page_size": 16}
     assert options["default:c64:d"] == {"key_format": "channel", "page_size": 64, "score_debias": 1.0}
     assert options["default:d0.5"] == {"score_debias": 0.5}
     # ':g<size>.<layers>': layers with their own group size, the later tag winning for a layer named twice
@@ -237,8 +246,8 @@ def test_method_specs_read_sequence_layers_and_positions_per_method():
     assert positions["default"] == "auto" and positions["default:p0"] is None
     assert positions["default@1024:L0:p2304"] == 2304 and layers["default@1024:L0:p2304"] == (0,)
     for bad in ("default:p1:p2", "default:x3", "bf16:p0", "default@x", "default:g32", "default:g0.1", "default:gx.1",
-                "bf16:g32.1", "default:c1", "default:c32:c64", "kivi:c32", "default:cx", "default:d5", "default:d:d",
-                "bf16:d", "default:dx"):
+                "bf16:g32.1", "default:c1", "default:c32:c64", "default:t:c32", "default:t:t", "kivi:t", "kivi:c32",
+                "default:cx", "default:d5", "default:d:d", "bf16:d", "default:dx"):
         with pytest.raises(SystemExit):
             _method_specs([bad], 512, "auto")
 

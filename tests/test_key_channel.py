@@ -175,6 +175,26 @@ def test_bad_key_format():
         PagedInt2KVCache(1, 1, 64, page_size=1, key_format="channel")
     with pytest.raises(ValueError, match="key_format"):
         oscar_compile.oscar_backend(key_format="row")
+    for bad in (0, -16, 8.0, True):
+        with pytest.raises(ValueError, match="page_size"):
+            oscar_compile.oscar_backend(page_size=bad)
+
+
+def test_backend_defaults_to_channel_keys_over_pages_of_32():
+    """Keys per channel over pages of 32 are the backend's default (they beat per-token keys on the GPU's eval);
+    the page size follows the key format unless given, and ``oscar memory`` and the eval's bits follow the backend."""
+    from oscar_compile.evaluation import Method, bits_per_element
+    from oscar_compile.testing import tiny_model
+
+    o = oscar_compile.oscar_backend().options
+    assert (o.key_format, o.page_size) == ("channel", 32)
+    assert oscar_compile.oscar_backend(key_format="token").options.page_size == 16
+    assert oscar_compile.oscar_backend(page_size=64).options.page_size == 64
+    cfg = tiny_model("llama").config
+    bits = {name: bits_per_element(cfg, Method("x", options=opts), 1 << 17, 64, 256)
+            for name, opts in (("default", {}), ("channel32", {"key_format": "channel", "page_size": 32}),
+                               ("token", {"key_format": "token"}))}
+    assert bits["default"] == bits["channel32"] < bits["token"]  # head_dim 16: keys 3 bits against 4
 
 
 def test_backend_with_channel_keys_equals_the_ops_called_directly():

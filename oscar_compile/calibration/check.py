@@ -44,20 +44,26 @@ def select_bf16_layers(errors: list, factor: float = OUTLIER_FACTOR, floor: floa
 def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable[torch.Tensor], *,
                  num_sinks: int | None = None, window: int | None = None, forward: Callable | None = None,
                  factor: float = OUTLIER_FACTOR, floor: float = OUTLIER_FLOOR, max_layers: int | None = None,
-                 progress: bool = True) -> Artifacts:
+                 key_format: str | None = None, page_size: int | None = None, progress: bool = True) -> Artifacts:
     """``artifacts`` with each layer's error on ``batches`` (long token sequences, ``[B, T]``) recorded in
     ``calibration["check_relative_error"]`` (``[key, value]`` relative RMS error of the attention output with
     INT2 keys / INT2 values, as ``heldout_relative_error``; None for a sliding-window layer, whose exact BF16 ring
     the backend keeps) and the outlier layers in ``calibration["bf16_layers"]``.
 
     Each query reads its keys as a decode step of a cache of its position + 1 tokens would: ``num_sinks`` sinks and
-    its last ``window`` keys exact (default: the backend's 64 and 256), the rest INT2. The sequences should be as
+    its last ``window`` keys exact (default: the backend's 64 and 256), the rest INT2, keys in the backend's
+    ``key_format`` and ``page_size`` unless given (default: per channel over pages of 32). The sequences should be as
     long as the contexts served, and disjoint from the evaluation text."""
-    from ..backend import BackendOptions
+    from ..backend import BackendOptions, resolve_page_size
     from .tracer import run_observed
 
     num_sinks = BackendOptions.num_sinks if num_sinks is None else num_sinks
     window = BackendOptions.window if window is None else window
+    key_format = BackendOptions.key_format if key_format is None else key_format
+    if key_format not in ("token", "channel"):
+        raise ValueError(f"oscar check: key_format must be 'token' or 'channel', got {key_format!r}")
+    page_size = resolve_page_size(key_format, page_size, "oscar check")
+    key_page = page_size if key_format == "channel" else 0
 
     batches = list(batches)
     if not batches:
@@ -80,8 +86,9 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
         if layer in sliding:
             errors.append(None)
             continue
-        errors.append([round(e, 4) for e in relative_errors(h.q, h.k, h.v, tr, group, num_sinks, window)])
+        errors.append([round(e, 4) for e in relative_errors(h.q, h.k, h.v, tr, group, num_sinks, window, key_page)])
     chosen = select_bf16_layers(errors, factor, floor, max_layers)
     cal = dict(artifacts.calibration, check_relative_error=errors, check_tokens=tokens,
-               check_seq_len=int(batches[0].shape[1]), check_sinks_window=[num_sinks, window], bf16_layers=chosen)
+               check_seq_len=int(batches[0].shape[1]), check_sinks_window=[num_sinks, window],
+               check_key_format=[key_format, page_size], bf16_layers=chosen)
     return dataclasses.replace(artifacts, calibration=cal)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import LayerTransforms
-from ..quant import dequantize_int2, quantize_int2
+from ..quant import dequantize_int2, quantize_int2, quantize_int2_channels, unpack_int2
 
 CLIP_GRID = (1.0, 0.995, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92, 0.9, 0.88, 0.85, 0.8, 0.75, 0.7)
 
@@ -25,6 +25,21 @@ CLIP_GRID = (1.0, 0.995, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92, 0.9, 0.
 def round_trip(x: torch.Tensor, clip: float | None, group_size: int | None) -> torch.Tensor:
     codes, scale, mn = quantize_int2(x, group_size, clip)
     return dequantize_int2(codes, scale, mn, group_size)
+
+
+def round_trip_pages(x: torch.Tensor, page: int, start: int = 0) -> torch.Tensor:
+    """``x [..., T, d]`` with its whole pages of ``page`` tokens from ``start`` on quantized per channel over each
+    page (the cache's ``key_format="channel"``, no clipping); the tokens before ``start`` and those of a last, partial
+    page (still in the cache's ring) stay exact."""
+    n = (x.shape[-2] - start) // page
+    if n <= 0:
+        return x.clone()
+    pages = x[..., start:start + n * page, :].unflatten(-2, (n, page))
+    codes, scale, mn = quantize_int2_channels(pages)
+    deq = mn.float().unsqueeze(-2) + unpack_int2(codes).float() * scale.float().unsqueeze(-2)
+    out = x.clone()
+    out[..., start:start + n * page, :] = deq.flatten(-3, -2)
+    return out
 
 
 def _causal(t: int, skip: int, device) -> torch.Tensor:
@@ -98,9 +113,10 @@ def search_clip(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size
 
 
 def key_output_error(probs, q, k, v, tr: LayerTransforms, clip: float, group_size=None, skip: int = 0,
-                     window: int = 0) -> float:
+                     window: int = 0, key_page: int = 0) -> float:
     """``|| (P_hat - P) v ||^2``: what INT2 keys do to the attention output, values exact (``probs``: ``P``, from
-    :func:`attention_probs`).
+    :func:`attention_probs`). ``key_page``: keys per channel over pages of that many tokens after the sinks (the
+    cache's ``key_format="channel"``; ``clip`` and ``group_size`` then apply to values only); 0: per token.
 
     A logit error matters by its size in nats, not relative to the logits: a layer with large, peaked logits
     loses its attention pattern to a relative logit error that is harmless elsewhere (Qwen2.5-Coder-0.5B's layer
@@ -109,7 +125,7 @@ def key_output_error(probs, q, k, v, tr: LayerTransforms, clip: float, group_siz
     h = k.shape[1]
     kt = torch.einsum("bhtd,hde->bhte", k.float() - tr.key_mean[None, :, None], tr.key_transform)
     qt = torch.einsum("bhgtd,hde->bhgte", q.float().reshape(b, h, hq // h, t, d), tr.query_transform)
-    kq = round_trip(kt, clip, group_size)
+    kq = round_trip_pages(kt, key_page, skip) if key_page else round_trip(kt, clip, group_size)
     if skip:
         kq[:, :, :skip] = kt[:, :, :skip]  # sink tokens stay in BF16
     # q'.k_hat' is q.k_hat less q.mu_k, the same for every key of a query: softmax ignores it
@@ -128,15 +144,15 @@ def lower_medians(errors) -> list[float]:
 
 
 def relative_errors(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size=None, skip: int = 0,
-                    window: int = 0) -> tuple:
+                    window: int = 0, key_page: int = 0) -> tuple:
     """Held-out relative RMS errors of a layer's attention output with INT2 keys (values exact) and with INT2
     values (keys exact) at its clip ratios: what the calibration records per layer so that a layer whose keys or
     values do not survive 2 bits stands out. ``skip`` sinks and each query's last ``window`` keys stay exact
-    (0: every key but the sinks is INT2)."""
+    (0: every key but the sinks is INT2); ``key_page``: keys per channel over pages (:func:`key_output_error`)."""
     ke = ve = energy = 0.0
     for q, k, v in zip(heldout_q, heldout_k, heldout_v):
         probs = attention_probs(q, k)
-        ke += key_output_error(probs, q, k, v, tr, tr.key_clip, group_size, skip, window)
+        ke += key_output_error(probs, q, k, v, tr, tr.key_clip, group_size, skip, window, key_page)
         ve += value_error(probs, v, tr, tr.value_clip, group_size, skip, window)
         energy += output_energy(probs, v)
     return (ke / max(energy, 1e-30)) ** 0.5, (ve / max(energy, 1e-30)) ** 0.5

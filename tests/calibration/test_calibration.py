@@ -254,6 +254,15 @@ def test_long_context_check_records_errors_and_the_backend_keeps_its_layers(tmp_
     checked = check_layers(model, art, long, num_sinks=2, window=8, progress=False)  # 80 tokens: reach INT2
     errs = checked.calibration["check_relative_error"]
     assert len(errs) == 2 and all(0 < e < 2 for pair in errs for e in pair)
+    # keys as the backend stores them by default: per channel over pages of 32 (2 whole pages of the 78 after the
+    # sinks); per-token keys give other key errors, the same value errors
+    assert checked.calibration["check_key_format"] == ["channel", 32]
+    token = check_layers(model, art, long, num_sinks=2, window=8, key_format="token", progress=False)
+    token_errs = token.calibration["check_relative_error"]
+    assert token.calibration["check_key_format"] == ["token", 16]
+    assert [e[1] for e in token_errs] == [e[1] for e in errs] and [e[0] for e in token_errs] != [e[0] for e in errs]
+    with pytest.raises(ValueError, match="key_format"):
+        check_layers(model, art, long, key_format="row", progress=False)
     assert checked.calibration["check_tokens"] == 80 and "bf16_layers" not in art.calibration  # a copy
     planted = check_layers(model, art, long, num_sinks=2, window=8, progress=False, factor=0.0, floor=0.0, max_layers=1)
     assert len(planted.bf16_layers) == 1  # every layer qualifies: the worst one is kept
@@ -274,6 +283,23 @@ def test_long_context_check_records_errors_and_the_backend_keeps_its_layers(tmp_
     slides = set(g_art.sliding_windows)
     assert slides and all((e is None) == (i in slides) for i, e in enumerate(g.calibration["check_relative_error"]))
     assert g.bf16_layers and not set(g.bf16_layers) & slides
+
+
+def test_round_trip_pages_quantizes_whole_pages_per_channel():
+    from oscar_compile.calibration.clipping import round_trip_pages
+
+    x = torch.randn(2, 3, 75, 16, generator=torch.Generator().manual_seed(4)) * torch.linspace(0.1, 4, 16)
+    y = round_trip_pages(x, 16, start=5)  # pages [5, 21), ..., [53, 69); tokens 0-4 and 69-74 exact
+    assert torch.equal(y[..., :5, :], x[..., :5, :]) and torch.equal(y[..., 69:, :], x[..., 69:, :])
+    pages = x[..., 5:69, :].unflatten(-2, (4, 16))
+    lo, hi = pages.amin(-2, keepdim=True), pages.amax(-2, keepdim=True)
+    got = y[..., 5:69, :].unflatten(-2, (4, 16))
+    # four levels a channel a page: every element within half a step (plus fp16 rounding of scale and min)
+    step = (hi - lo) / 3
+    assert ((got - pages).abs() <= step / 2 + 1e-2 * (hi - lo) + 1e-3).all()
+    assert all(got[..., c].unique().numel() <= 4 * 2 * 3 * 4 for c in range(16))  # per (row, head, page): 4 levels
+    assert (got - pages).abs().max() > 0  # really quantized
+    assert torch.equal(round_trip_pages(x[..., :20, :], 16, start=5), x[..., :20, :])  # no whole page yet
 
 
 def test_method_names():
@@ -303,7 +329,8 @@ def test_calibrate_each_family_and_compile_with_the_artifact(family, tmp_path):
     art.save(tmp_path)
     again = load_artifacts(tmp_path)
     again.validate(model)
-    backend = oscar_compile.oscar_backend(again, inductor=False, num_sinks=1, window=2)
+    # pages of 4: the 24-token prompt reaches INT2 pages (the default per-channel pages of 32 would not fill)
+    backend = oscar_compile.oscar_backend(again, inductor=False, num_sinks=1, window=2, page_size=4)
     logits = prefill_and_decode(torch.compile(model, backend=backend), _batches(1)[0], make_hf_cache("oscar", model, 40, 2), 3)
     assert torch.isfinite(logits).all()
     assert all(len(g.rewritten) == model.config.num_hidden_layers for g in backend.graphs)
@@ -555,7 +582,8 @@ def test_cached_artifacts_with_a_long_context_check(tmp_path, monkeypatch):
     assert not cached and len(art.calibration["check_relative_error"]) == 2 and art.calibration["check_tokens"] == 192
     names = sorted(p.name for p in (tmp_path / "artifacts").iterdir())
     # rows spread over the tiny model's 256 positions ("auto"), so the names say so
-    assert names == ["tiny-oscar+kmean+vauto+scale-4096-s64-p256", "tiny-oscar+kmean+vauto+scale-4096-s64-p256-c96x2-sw2_8"]
+    # "-kc32": checked with keys per channel over pages of 32 (the backend's default)
+    assert names == ["tiny-oscar+kmean+vauto+scale-4096-s64-p256", "tiny-oscar+kmean+vauto+scale-4096-s64-p256-c96x2-sw2_8-kc32"]
     again, cached = demo.cached_artifacts_for(model, tok, "tiny", ["default"], 4096, **kw)
     assert cached == {"default"} and again["default"].calibration["check_relative_error"] == art.calibration["check_relative_error"]
     with pytest.raises(ValueError, match="too few for a check"):

@@ -6,6 +6,7 @@ from transformers import AttentionInterface, DynamicCache
 
 import oscar_compile
 from oscar_compile import LayerTransforms, OscarCache, PagedInt2KVCache, UnsupportedGraphError, oscar_backend
+from oscar_compile.backend import BackendOptions
 from oscar_compile.testing import (
     FAMILIES,
     SLIDING_FAMILIES,
@@ -110,7 +111,8 @@ def _int2_and_ops_reference(model: TinyDecoder, run, **compile_kw):
     torch._dynamo.reset()
     opts = dict(num_sinks=1, window=2, page_size=4)
     int2 = run(torch.compile(model, backend=oscar_backend(inductor=False, **opts), **compile_kw))
-    model.reference = PagedInt2KVCache(2, 2, 16, max_batch_size=2, max_seq_len=64, dtype=torch.float32, **opts)
+    model.reference = PagedInt2KVCache(2, 2, 16, max_batch_size=2, max_seq_len=64, dtype=torch.float32,
+                                       key_format=BackendOptions.key_format, **opts)  # the backend's key format
     for layer in range(2):
         model.reference.set_transforms(layer, LayerTransforms.hadamard(2, 16))
         model.reference.allocate(0, 64), model.reference.allocate(1, 64)

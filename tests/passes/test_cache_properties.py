@@ -27,7 +27,8 @@ import oscar_compile
 from oscar_compile import CacheCapacityError, LayerTransforms, OscarCache, PagedInt2KVCache
 from oscar_compile.testing import cache_kwarg, reference_attention, tiny_model
 
-OPTS = dict(num_sinks=2, window=3, page_size=4)  # a few tokens reach the INT2 pages
+# a few tokens reach the INT2 pages; keys per channel over each page (the backend's default, named for the oracle)
+OPTS = dict(num_sinks=2, window=3, page_size=4, key_format="channel")
 ORACLE_LEN = 96
 _MODELS: dict = {}
 
