@@ -62,9 +62,12 @@ def rope_shift(x: torch.Tensor, inv_freq: torch.Tensor, shift: int) -> torch.Ten
     return x * ang.cos().float() + rotate_half(x) * ang.sin().float()
 
 
-def output_errors(q, k, v, tr, scale: float, sinks: int, window: int, queries: int, group_size=None) -> dict:
-    """Relative output error of the last ``queries`` decode-style queries: keys only, values only, both."""
-    from oscar_compile.calibration.clipping import round_trip
+def output_errors(q, k, v, tr, scale: float, sinks: int, window: int, queries: int, group_size=None,
+                  key_page: int = 0) -> dict:
+    """Relative output error of the last ``queries`` decode-style queries: keys only, values only, both.
+    ``key_page``: keys per channel over pages of that many tokens after the sinks (the cache's
+    ``key_format="channel"``); 0: per token."""
+    from oscar_compile.calibration.clipping import round_trip, round_trip_pages
 
     _, hq, t, d = q.shape
     h = k.shape[1]
@@ -72,7 +75,8 @@ def output_errors(q, k, v, tr, scale: float, sinks: int, window: int, queries: i
     kt = torch.einsum("bhtd,hde->bhte", k.float() - tr.key_mean[None, :, None], tr.key_transform)[0]  # [H, T, d]
     vt = torch.einsum("bhtd,hde->bhte", v.float() - tr.value_mean[None, :, None], tr.value_transform)[0]
     qt = torch.einsum("hgtd,hde->hgte", q[0, :, t - queries:].float().reshape(h, g, queries, d), tr.query_transform)
-    kq, vq = round_trip(kt, tr.key_clip, group_size), round_trip(vt, tr.value_clip, group_size)
+    kq = round_trip_pages(kt, key_page, sinks) if key_page else round_trip(kt, tr.key_clip, group_size)
+    vq = round_trip(vt, tr.value_clip, group_size)
     pos = torch.arange(t - queries, t)[:, None]
     j = torch.arange(t)[None, :]
     visible = j <= pos
@@ -105,6 +109,8 @@ def main():
     ap.add_argument("--group-sizes", default="0,32", help="0: one group a row")
     ap.add_argument("--offset", type=int, default=0, help="first token of the sequence in the evaluation text")
     ap.add_argument("--shifts", default="0", help="extra RoPE positions for queries and keys (see above)")
+    ap.add_argument("--key-formats", default="token", help="token and/or c<page> (c32: keys per channel over pages "
+                    "of 32, the backend's default), comma-separated")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from oscar_compile.assets import load_model, load_text
@@ -133,13 +139,15 @@ def main():
                 qs, ks = rope_shift(q.float(), inv, shift), rope_shift(k.float(), inv, shift)
             else:
                 qs, ks = q, k
-            for w in map(int, a.windows.split(",")):
-                for gs in map(int, a.group_sizes.split(",")):
-                    e = output_errors(qs, ks, v, tr, scale, a.sinks, w, a.queries, gs or None)
-                    rows.append({"layer": layer, "shift": shift, "window": w, "group_size": gs or d, **e})
-                    print(f"layer {layer:2d} shift {shift:6d} window {w:5d} group {gs or d:4d}: keys {e['keys']['mean']:.4f} "
-                          f"values {e['values']['mean']:.4f} both {e['both']['mean']:.4f}  per KV head "
-                          f"{e['both']['per_kv_head']}", flush=True)
+            combos = [(w, gs, kf) for w in map(int, a.windows.split(",")) for gs in map(int, a.group_sizes.split(","))
+                      for kf in a.key_formats.split(",")]
+            for w, gs, kf in combos:
+                page = 0 if kf == "token" else int(kf[1:])
+                e = output_errors(qs, ks, v, tr, scale, a.sinks, w, a.queries, gs or None, page)
+                rows.append({"layer": layer, "shift": shift, "window": w, "group_size": gs or d, "keys_format": kf, **e})
+                print(f"layer {layer:2d} shift {shift:6d} window {w:5d} group {gs or d:4d} keys {kf:>5}: "
+                      f"keys {e['keys']['mean']:.4f} values {e['values']['mean']:.4f} both {e['both']['mean']:.4f}  "
+                      f"per KV head {e['both']['per_kv_head']}", flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"model": a.model, "context": a.context, "artifact": str(a.artifact),
                                            "method": art.method, "shifts": a.shifts, "rows": rows}, indent=1))

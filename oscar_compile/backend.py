@@ -113,6 +113,10 @@ class BackendOptions:
     # element at 128K and head_dim 128 against 2.66 (7.0x smaller than BF16 instead of 6.0x), decode ~1.1x faster.
     # On CUDA the Triton kernels take per-channel keys for pages of 16, 32, ... tokens (the reference any size).
     key_format: str = "channel"
+    # {layer: "token" | "channel"}: layers whose keys take another format than ``key_format`` (same page size).
+    # "auto": per-token keys for the artifact's ``token_key_layers`` (the long-context check's layers whose keys
+    # lose clearly less per token); None: every layer ``key_format``. Not yet measured end to end (2026-12-05).
+    layer_key_formats: dict | str | None = None
     # Attention lowers each INT2 key's score by this times half its rounding noise's variance (PagedInt2KVCache's
     # score_debias): the noise otherwise inflates the INT2 keys' share of the attention. 0: off.
     score_debias: float = 0.0
@@ -129,6 +133,20 @@ def resolve_page_size(key_format: str, page_size: int | None, who: str = "oscar"
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"{who}: page_size must be a positive int (tokens a page), got {page_size!r}")
     return page_size
+
+
+def resolve_layer_key_formats(formats, artifacts=None, who: str = "oscar_backend") -> dict:
+    """``{layer: key format}`` from the ``layer_key_formats`` option: a dict (checked), "auto" (per-token keys for
+    the artifact's ``token_key_layers``) or None (none)."""
+    if formats is None:
+        return {}
+    if formats == "auto":
+        return {layer: "token" for layer in (artifacts.token_key_layers if artifacts is not None else ())}
+    if not isinstance(formats, dict) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
+                                                and f in ("token", "channel") for k, f in formats.items()):
+        raise ValueError(f"{who}: layer_key_formats maps layer indices to 'token' or 'channel' (or is 'auto'), "
+                         f"got {formats!r}")
+    return dict(formats)
 
 
 class OscarBackend:
@@ -156,6 +174,7 @@ class OscarBackend:
         if not all(isinstance(k, int) and k >= 0 and isinstance(g, int) and g > 0 for k, g in groups.items()):
             raise ValueError(f"oscar_backend: layer_group_sizes maps layer indices to group sizes (ints > 0), got {groups!r}")
         self.options.layer_group_sizes = groups
+        self.options.layer_key_formats = resolve_layer_key_formats(self.options.layer_key_formats, artifacts)
         self.artifacts = artifacts
         if self.options.sliding_windows is None and artifacts is not None and artifacts.sliding_windows:
             self.options.sliding_windows = artifacts.sliding_windows  # recorded at calibration
@@ -348,7 +367,8 @@ class OscarBackend:
             cache = PagedInt2KVCache(
                 1, m.num_kv_heads, m.head_dim, max_batch_size=rows, max_seq_len=max_len, page_size=o.page_size,
                 num_sinks=o.num_sinks, window=o.window, group_size=group, identity_block_table=True,
-                quantize=quantize, sliding_window=sliding, max_chunk=o.max_chunk, key_format=o.key_format,
+                quantize=quantize, sliding_window=sliding, max_chunk=o.max_chunk,
+                key_format=o.layer_key_formats.get(layer, o.key_format) if key[0] == "layer" else o.key_format,
                 score_debias=o.score_debias, dtype=dtype,
                 meta_dtype=o.meta_dtype, device=device,
             )

@@ -47,7 +47,7 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
     over every layer. Sliding-window layers hold fewer tokens than the context: ``min(window, context)`` in
     BF16 (transformers' own sliding layers) and, for the oscar methods, their BF16 ring of
     ``window + max_chunk - 1`` tokens (the default ``sliding_storage="ring"``)."""
-    from .backend import BackendOptions, resolve_page_size
+    from .backend import BackendOptions, resolve_layer_key_formats, resolve_page_size
     from .hf import sliding_windows
 
     heads, d = kv_geometry(model_config)
@@ -56,11 +56,12 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
         return kivi_bits_per_element(context, d, fp_bits=fp_bits, **method.options)
     layers = model_config.num_hidden_layers
     slides = sliding_windows(model_config)
-    def int2_bits(group_size):
-        key_format = method.options.get("key_format", BackendOptions.key_format)  # the backend's layout
-        layout = dict(key_format=key_format, page_size=resolve_page_size(key_format, method.options.get("page_size")))
-        cache = PagedInt2KVCache(1, heads, d, max_seq_len=1, num_sinks=num_sinks, window=window,
-                                 group_size=group_size, dtype=cache_dtype, device="meta", **layout)
+    key_format = method.options.get("key_format", BackendOptions.key_format)  # the backend's layout
+    page_size = resolve_page_size(key_format, method.options.get("page_size"))
+
+    def int2_bits(group_size, fmt=key_format):
+        cache = PagedInt2KVCache(1, heads, d, max_seq_len=1, num_sinks=num_sinks, window=window, group_size=group_size,
+                                 dtype=cache_dtype, device="meta", key_format=fmt, page_size=page_size)
         return cache.memory_report(context).bits_per_element
 
     full = fp_bits if method.kind == "bf16" else int2_bits(method.options.get("group_size"))
@@ -71,10 +72,14 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
     if kept is None:  # the backend's default: the artifact's (its long-context check)
         kept = getattr(method.artifacts, "bf16_layers", ()) if method.artifacts is not None else ()
     dense = len(set(kept) - set(slides)) if method.kind != "bf16" else 0
-    # full INT2 layers with their own group size (the backend's layer_group_sizes): their bits instead of `full`
-    regrouped = {layer: g for layer, g in (method.options.get("layer_group_sizes") or {}).items()
-                 if layer not in slides and layer not in kept} if method.kind != "bf16" else {}
-    extra = sum(int2_bits(g) - full for g in regrouped.values())
+    # full INT2 layers with their own group size or key format (the backend's layer_group_sizes and
+    # layer_key_formats): their bits instead of `full`
+    groups = method.options.get("layer_group_sizes") or {}
+    formats = resolve_layer_key_formats(method.options.get("layer_key_formats"), method.artifacts, "oscar eval")
+    own = set(groups) | set(formats)
+    own = {layer for layer in own if layer not in slides and layer not in kept} if method.kind != "bf16" else set()
+    extra = sum(int2_bits(groups.get(layer, method.options.get("group_size")), formats.get(layer, key_format)) - full
+                for layer in own)
     return (full * (layers - len(slides) - dense) + extra + fp_bits * dense + sliding_bits) / layers
 
 

@@ -148,6 +148,11 @@ def test_bits_and_report(tmp_path):
     regrouped = bits_per_element(model.config, Method("x", options={"layer_group_sizes": {1: 4}, **tok}), 1 << 17, 64,
                                  256)
     assert math.isclose(regrouped, int2 + 6 * (1 - 320 / (1 << 17)) / layers, rel_tol=1e-6), (regrouped, int2)
+    # a layer with its own key format (layer_key_formats) counts its own bits: layer 1 per token among per-channel
+    mixed = bits_per_element(model.config, Method("x", options={"layer_key_formats": {1: "token"}}), 1 << 17, 64, 256)
+    token_at_32 = bits_per_element(model.config, Method("x", options={"key_format": "token", "page_size": 32}),
+                                   1 << 17, 64, 256)
+    assert math.isclose(mixed, (default * (layers - 1) + token_at_32) / layers, rel_tol=1e-6) and default < mixed
     both = Method("x", options={"layer_group_sizes": {0: 4}, "bf16_layers": (0,), **tok})
     assert math.isclose(bits_per_element(model.config, both, 1 << 17, 64, 256), one_dense)
     # a sliding layer holds its window (BF16) or its ring (oscar: window 8 + max_chunk 100 - 1 tokens in BF16)
@@ -237,6 +242,7 @@ def test_method_specs_read_sequence_layers_and_positions_per_method():
     assert options["default:c32"] == {"key_format": "channel", "page_size": 32} and options["default"] == {}
     token = _method_specs(["default:t", "default:t:L0"], 512, "auto")[-1]  # ':t': keys per token, pages of 16
     assert token["default:t"] == token["default:t:L0"] == {"key_format": "token", "page_size": 16}
+    assert _method_specs(["default:ka"], 512, "auto")[-1]["default:ka"] == {"layer_key_formats": "auto"}
     assert options["default:c64:d"] == {"key_format": "channel", "page_size": 64, "score_debias": 1.0}
     assert options["default:d0.5"] == {"score_debias": 0.5}
     # ':g<size>.<layers>': layers with their own group size, the later tag winning for a layer named twice
@@ -246,7 +252,7 @@ def test_method_specs_read_sequence_layers_and_positions_per_method():
     assert positions["default"] == "auto" and positions["default:p0"] is None
     assert positions["default@1024:L0:p2304"] == 2304 and layers["default@1024:L0:p2304"] == (0,)
     for bad in ("default:p1:p2", "default:x3", "bf16:p0", "default@x", "default:g32", "default:g0.1", "default:gx.1",
-                "bf16:g32.1", "default:c1", "default:c32:c64", "default:t:c32", "default:t:t", "kivi:t", "kivi:c32",
+                "bf16:g32.1", "default:c1", "default:c32:c64", "default:t:c32", "default:t:t", "kivi:t", "kivi:c32", "default:ka:t", "default:ka:ka",
                 "default:cx", "default:d5", "default:d:d", "bf16:d", "default:dx"):
         with pytest.raises(SystemExit):
             _method_specs([bad], 512, "auto")

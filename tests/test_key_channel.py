@@ -225,6 +225,20 @@ def test_backend_with_channel_keys_equals_the_ops_called_directly():
     torch.testing.assert_close(runs["channel"], ref, rtol=1e-4, atol=1e-4)  # same ops; fp32 summation order differs
     assert rel_error(runs["channel"], runs["token"]) > 1e-3
 
+    # layer_key_formats: each layer's storage takes its own format; every layer per token is key_format="token"
+    for formats, want in (({1: "token"}, ["channel", "token"]), ({0: "token", 1: "token"}, ["token", "token"])):
+        torch._dynamo.reset()
+        backend = oscar_backend(inductor=False, layer_key_formats=formats, **opts)
+        mixed = prefill_and_decode(torch.compile(model, backend=backend), ids, make_hf_cache("oscar", model, 32, 2), 8)
+        assert [c.key_format for _, c in sorted(backend.storage.items(), key=lambda kv: kv[0][0][1])] == want
+        if want == ["token", "token"]:
+            torch.testing.assert_close(mixed, runs["token"], rtol=1e-5, atol=1e-5)  # the same ops on the same data
+        else:
+            assert rel_error(mixed, runs["channel"]) > 1e-4 and rel_error(mixed, runs["token"]) > 1e-4
+    for bad in ({0: "row"}, {-1: "token"}, {"0": "token"}, "all", [0]):
+        with pytest.raises(ValueError, match="layer_key_formats"):
+            oscar_backend(layer_key_formats=bad)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page, tol", [(32, 5e-3), (8, 1e-4)])

@@ -73,6 +73,12 @@ class Artifacts:
         return tuple(int(i) for i in self.calibration.get("bf16_layers", ()))
 
     @property
+    def token_key_layers(self) -> tuple[int, ...]:
+        """Layers whose keys the long-context check measured as clearly better per token than per channel (the
+        backend's ``layer_key_formats="auto"``; empty if unchecked or checked with per-token keys)."""
+        return tuple(int(i) for i in self.calibration.get("token_key_layers", ()))
+
+    @property
     def clip_ratios(self) -> list[tuple[float, float]]:
         return [(t.key_clip, t.value_clip) for t in self.layers]
 

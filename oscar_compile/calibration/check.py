@@ -24,6 +24,10 @@ OUTLIER_FACTOR = 4.0
 # ...and at least this large in itself (relative RMS error of the attention output): a layer at 0.05 among
 # layers at 0.01 is not worth 7x its bytes.
 OUTLIER_FLOOR = 0.25
+# With per-channel keys, a layer whose key error per token is below this fraction of its per-channel one is a
+# candidate to keep per-token keys (``token_key_layers``; the backend's layer_key_formats="auto"). SmolLM2-135M at
+# 8K (probe_layer_error.py): per channel halves the key error of layers 3-10 but doubles layer 18's (0.25 vs 0.10).
+TOKEN_KEY_RATIO = 0.75
 
 
 def select_bf16_layers(errors: list, factor: float = OUTLIER_FACTOR, floor: float = OUTLIER_FLOOR,
@@ -53,7 +57,11 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
     Each query reads its keys as a decode step of a cache of its position + 1 tokens would: ``num_sinks`` sinks and
     its last ``window`` keys exact (default: the backend's 64 and 256), the rest INT2, keys in the backend's
     ``key_format`` and ``page_size`` unless given (default: per channel over pages of 32). The sequences should be as
-    long as the contexts served, and disjoint from the evaluation text."""
+    long as the contexts served, and disjoint from the evaluation text.
+
+    With per-channel keys the check also measures each layer's keys per token (``check_token_key_error``) and lists
+    the layers where that error is below ``TOKEN_KEY_RATIO`` times the per-channel one (``token_key_layers``):
+    what the backend's ``layer_key_formats="auto"`` keeps per token."""
     from ..backend import BackendOptions, resolve_page_size
     from .tracer import run_observed
 
@@ -80,15 +88,22 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
                            f"{len(artifacts.layers)}")
     group = artifacts.options.get("group_size")
     sliding = artifacts.sliding_windows  # kept as exact BF16 rings by the backend: never INT2, not candidates
-    errors = []
+    errors, token_key_errors = [], {}
     for layer, tr in enumerate(artifacts.layers):
         h = observer.heldout.pop(layer)  # long sequences' activations: free them as we go
         if layer in sliding:
             errors.append(None)
             continue
         errors.append([round(e, 4) for e in relative_errors(h.q, h.k, h.v, tr, group, num_sinks, window, key_page)])
+        if key_page:  # the same keys per token: where they do clearly better, layer_key_formats="auto" keeps them so
+            token_key_errors[layer] = round(relative_errors(h.q, h.k, h.v, tr, group, num_sinks, window)[0], 4)
     chosen = select_bf16_layers(errors, factor, floor, max_layers)
+    token_layers = sorted(layer for layer, e in token_key_errors.items()
+                          if layer not in chosen and e < TOKEN_KEY_RATIO * errors[layer][0])
     cal = dict(artifacts.calibration, check_relative_error=errors, check_tokens=tokens,
                check_seq_len=int(batches[0].shape[1]), check_sinks_window=[num_sinks, window],
                check_key_format=[key_format, page_size], bf16_layers=chosen)
+    if key_page:
+        cal.update(check_token_key_error=[token_key_errors.get(i) for i in range(len(errors))],
+                   token_key_layers=token_layers)
     return dataclasses.replace(artifacts, calibration=cal)

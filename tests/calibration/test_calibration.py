@@ -242,10 +242,11 @@ def test_outlier_layers_are_chosen_by_ratio_floor_and_cap():
     assert select_bf16_layers(many, max_layers=4) == [12, 13, 14, 15] and select_bf16_layers([]) == []
 
 
-def test_long_context_check_records_errors_and_the_backend_keeps_its_layers(tmp_path):
+def test_long_context_check_records_errors_and_the_backend_keeps_its_layers(tmp_path, monkeypatch):
     # check_layers runs the model on long sequences with the artifact's transforms: per-layer errors recorded (as
     # the calibration's own held-out ones, on other tokens), outliers chosen; the artifact carries them through
     # save/load to a backend, whose bf16_layers default to them (() turns them off)
+    from oscar_compile.calibration import check as check_module
     from oscar_compile.calibration import check_layers
 
     model = tiny_model("llama")
@@ -257,6 +258,15 @@ def test_long_context_check_records_errors_and_the_backend_keeps_its_layers(tmp_
     # keys as the backend stores them by default: per channel over pages of 32 (2 whole pages of the 78 after the
     # sinks); per-token keys give other key errors, the same value errors
     assert checked.calibration["check_key_format"] == ["channel", 32]
+    # ...and the same keys per token, for layer_key_formats="auto": the layers where per token is clearly better
+    token_key = checked.calibration["check_token_key_error"]
+    assert len(token_key) == 2 and all(e > 0 for e in token_key)
+    assert checked.token_key_layers == tuple(i for i in range(2) if token_key[i] < 0.75 * errs[i][0])
+    monkeypatch.setattr(check_module, "TOKEN_KEY_RATIO", 100.0)  # every layer qualifies
+    every = check_layers(model, art, long, num_sinks=2, window=8, progress=False)
+    assert every.token_key_layers == (0, 1)
+    auto = oscar_compile.oscar_backend(every, layer_key_formats="auto").options.layer_key_formats
+    assert auto == {0: "token", 1: "token"} and oscar_compile.oscar_backend(every).options.layer_key_formats == {}
     token = check_layers(model, art, long, num_sinks=2, window=8, key_format="token", progress=False)
     token_errs = token.calibration["check_relative_error"]
     assert token.calibration["check_key_format"] == ["token", 16]
