@@ -110,7 +110,8 @@ class BackendOptions:
     # (Gemma 3 270M, 16K scored tokens at 2K, 8K at 8K) it was -0.3% (-0.8..+0.2) and -1.8% (-2.8..-0.8)
     # perplexity against per-token keys and retrieved 15/24 and 10/24 needles against 10/24 and 4/24 (BF16:
     # 17/24, 10/24). "token": keys per token in groups of ``group_size`` channels, as values: 2.28 bits an
-    # element at 128K and head_dim 128 against 2.66 (7.0x smaller than BF16 instead of 6.0x), decode ~1.1x faster.
+    # element at 128K and head_dim 128 against 2.66 (7.0x smaller than BF16 instead of 6.0x), full-depth decode
+    # 1.12x faster (64 x 8K, H100).
     # On CUDA the Triton kernels take per-channel keys for pages of 16, 32, ... tokens (the reference any size).
     key_format: str = "channel"
     # {layer: "token" | "channel"}: layers whose keys take another format than ``key_format`` (same page size).

@@ -94,9 +94,13 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
         if layer in sliding:
             errors.append(None)
             continue
-        errors.append([round(e, 4) for e in relative_errors(h.q, h.k, h.v, tr, group, num_sinks, window, key_page)])
-        if key_page:  # the same keys per token: where they do clearly better, layer_key_formats="auto" keeps them so
-            token_key_errors[layer] = round(relative_errors(h.q, h.k, h.v, tr, group, num_sinks, window)[0], 4)
+        # with per-channel keys, the same keys per token too: where they do clearly better, layer_key_formats="auto"
+        # keeps them so
+        key, value, *token_key = (round(e, 4) for e in relative_errors(
+            h.q, h.k, h.v, tr, group, num_sinks, window, key_page, other_key_pages=(0,) if key_page else ()))
+        errors.append([key, value])
+        if token_key:
+            token_key_errors[layer] = token_key[0]
     chosen = select_bf16_layers(errors, factor, floor, max_layers)
     token_layers = sorted(layer for layer, e in token_key_errors.items()
                           if layer not in chosen and e < TOKEN_KEY_RATIO * errors[layer][0])

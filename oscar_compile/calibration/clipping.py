@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import LayerTransforms
-from ..quant import dequantize_int2, quantize_int2, quantize_int2_channels, unpack_int2
+from ..quant import dequantize_int2, quantize_int2, quantize_int2_channels
 
 CLIP_GRID = (1.0, 0.995, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92, 0.9, 0.88, 0.85, 0.8, 0.75, 0.7)
 
@@ -36,7 +36,7 @@ def round_trip_pages(x: torch.Tensor, page: int, start: int = 0) -> torch.Tensor
         return x.clone()
     pages = x[..., start:start + n * page, :].unflatten(-2, (n, page))
     codes, scale, mn = quantize_int2_channels(pages)
-    deq = mn.float().unsqueeze(-2) + unpack_int2(codes).float() * scale.float().unsqueeze(-2)
+    deq = dequantize_int2(codes, scale.unsqueeze(-2), mn.unsqueeze(-2), group_size=1)  # a group a channel
     out = x.clone()
     out[..., start:start + n * page, :] = deq.flatten(-3, -2)
     return out
@@ -144,15 +144,18 @@ def lower_medians(errors) -> list[float]:
 
 
 def relative_errors(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size=None, skip: int = 0,
-                    window: int = 0, key_page: int = 0) -> tuple:
+                    window: int = 0, key_page: int = 0, other_key_pages: tuple = ()) -> tuple:
     """Held-out relative RMS errors of a layer's attention output with INT2 keys (values exact) and with INT2
     values (keys exact) at its clip ratios: what the calibration records per layer so that a layer whose keys or
     values do not survive 2 bits stands out. ``skip`` sinks and each query's last ``window`` keys stay exact
-    (0: every key but the sinks is INT2); ``key_page``: keys per channel over pages (:func:`key_output_error`)."""
-    ke = ve = energy = 0.0
+    (0: every key but the sinks is INT2); ``key_page``: keys per channel over pages (:func:`key_output_error`).
+    ``other_key_pages``: the key error in other key formats too, appended, on the same attention weights."""
+    ke, ve, energy = [0.0] * (1 + len(other_key_pages)), 0.0, 0.0
     for q, k, v in zip(heldout_q, heldout_k, heldout_v):
         probs = attention_probs(q, k)
-        ke += key_output_error(probs, q, k, v, tr, tr.key_clip, group_size, skip, window, key_page)
+        for i, page in enumerate((key_page, *other_key_pages)):
+            ke[i] += key_output_error(probs, q, k, v, tr, tr.key_clip, group_size, skip, window, page)
         ve += value_error(probs, v, tr, tr.value_clip, group_size, skip, window)
         energy += output_energy(probs, v)
-    return (ke / max(energy, 1e-30)) ** 0.5, (ve / max(energy, 1e-30)) ** 0.5
+    rel = [(e / max(energy, 1e-30)) ** 0.5 for e in (ke[0], ve, *ke[1:])]
+    return tuple(rel)
