@@ -155,6 +155,33 @@ def _channel_page(k_codes: Tensor, k_meta: Tensor) -> int:
     return k_codes.shape[1] if is_channel_key_meta(k_codes, k_meta) else 0
 
 
+class ReferenceUnderCaptureError(RuntimeError):
+    """The reference ops (host-synchronizing) were reached while a CUDA graph was being captured."""
+
+
+_FALLBACKS_REPORTED: set = set()
+
+
+def _reference_on_cuda(op: str, head_dim: int, num_groups: int, channel_page: int) -> None:
+    """The Triton kernels do not take this shape: say so once (the reference is slower and synchronizes with the
+    host), and refuse clearly under CUDA-graph capture, where the reference's host reads would fail obscurely."""
+    if channel_page and not channel_pages_supported(channel_page):
+        why = f"per-channel keys in pages of {channel_page} (the kernels take powers of two of at least 16)"
+    else:
+        why = f"head_dim {head_dim} with {num_groups} value groups (the kernels take head_dim 64/128/256)"
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise ReferenceUnderCaptureError(
+            f"oscar::{op}: {why} runs on the reference ops, which synchronize with the host and cannot be captured "
+            "in a CUDA graph; compile without mode='reduce-overhead', or choose a shape the Triton kernels take")
+    if (op, why) not in _FALLBACKS_REPORTED:
+        _FALLBACKS_REPORTED.add((op, why))
+        import logging
+
+        logging.getLogger("oscar_compile").warning(
+            "oscar::%s on CUDA: %s is not taken by the Triton kernels; the reference ops serve it (slower, "
+            "synchronizes with the host every call)", op, why)
+
+
 def _register_triton_kernels() -> bool:
     """Make the Triton kernels the CUDA implementation of both ops (the reference stays the fallback for shapes the
     kernels do not take)."""
@@ -180,8 +207,11 @@ def _register_triton_kernels() -> bool:
                     key_transform, key_mean, value_transform, value_mean, key_clip, value_clip):
         args = (k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
                 key_transform, key_mean, value_transform, value_mean, key_clip, value_clip)
-        if triton_store and triton_supported(k.shape[-1], v_meta.shape[-1] // 2, _channel_page(k_codes, k_meta)):
+        shape = (k.shape[-1], v_meta.shape[-1] // 2, _channel_page(k_codes, k_meta))
+        if triton_store and triton_supported(*shape):
             return store_triton(*args)
+        if triton_store:
+            _reference_on_cuda("store", *shape)
         return store_reference(*args)
 
     @attention.register_kernel("cuda")
@@ -191,8 +221,10 @@ def _register_triton_kernels() -> bool:
         args = (q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
                 query_transform, output_transform, value_mean, attn_mask, is_causal, scale, k_chunk, v_chunk,
                 chunk_positions, debias)
-        if triton_supported(q.shape[-1], v_meta.shape[-1] // 2, _channel_page(k_codes, k_meta)):
+        shape = (q.shape[-1], v_meta.shape[-1] // 2, _channel_page(k_codes, k_meta))
+        if triton_supported(*shape):
             return attention_triton(*args)
+        _reference_on_cuda("attention", *shape)
         return attention_reference(*args)
 
     return True

@@ -201,3 +201,23 @@ def test_bad_inputs_give_clear_errors():
         cache.attention(0, torch.randn(2, 4, 1, 16), pos[:, :1], scale=-1.0)
     with pytest.raises(ValueError, match="batch 3 exceeds"):
         cache.store(0, torch.randn(3, 2, 1, 16), torch.randn(3, 2, 1, 16), torch.zeros(1, dtype=torch.long))
+
+
+def test_cuda_fallback_to_the_reference_is_reported_once_and_refused_under_capture(monkeypatch, caplog):
+    """Shapes the Triton kernels do not take run on the reference on CUDA: one warning that says why, and under
+    CUDA-graph capture (where the reference's host reads fail obscurely) a clear error instead."""
+    from oscar_compile import ops
+
+    monkeypatch.setattr(ops, "_FALLBACKS_REPORTED", set())
+    with caplog.at_level("WARNING", logger="oscar_compile"):
+        ops._reference_on_cuda("store", 128, 4, 8)
+        ops._reference_on_cuda("store", 128, 4, 8)
+        ops._reference_on_cuda("attention", 80, 4, 0)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2, msgs
+    assert "pages of 8" in msgs[0] and "reference" in msgs[0]
+    assert "head_dim 80" in msgs[1]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ops.ReferenceUnderCaptureError, match="cannot be captured in a CUDA graph"):
+        ops._reference_on_cuda("store", 128, 4, 8)
