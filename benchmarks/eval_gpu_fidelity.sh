@@ -9,6 +9,8 @@
 #   long runs died: run short, then long). long: each model's 8K (64 x 128) and, where the model serves it, 32K (20 x 128), with retrieval at that length.
 # keys: per-token keys (`default:t`) against per-channel keys over pages of 32 (`default`, since 2026-12-05) and 64
 #   tokens (`default:c64`), 2K (256 x 64) and 8K (64 x 128), retrieval at 24 prompts a length.
+# ranges: per-channel keys with the check's page range ratios (`default:kr`) against full page ranges (`default`),
+#   2K (256 x 64) and 8K (64 x 128), retrieval at 24 prompts a length.
 # Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU)
 # staged with `eval_gpu.sh stage` (see that script). The evals stop after LIMIT seconds (default 540, under the call's
 # 600) and what they measured is packed into OUT/results.tgz: a call brings back at most 8 files.
@@ -48,6 +50,11 @@ long() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
      --retrieval-lengths "$2" --retrieval-samples 2 --out "$W" --name "eval_$1_h200_$(($2 / 1024))k_${3}x$4" \
      > "$W/$1_$2.log" 2>&1
 }
+ranges() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
+  $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" \
+     --methods bf16,default,default:kr --retrieval-lengths "$2" --retrieval-samples 4 --out "$W" \
+     --name "eval_$1_${CARD}_$(($2 / 1024))k_ranges" > "$W/$1_$2_ranges.log" 2>&1
+}
 keys() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
   $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" \
      --methods bf16,default:t,default,default:c64 --retrieval-lengths "$2" --retrieval-samples 4 --out "$W" \
@@ -55,6 +62,7 @@ keys() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
 }
 for m in $MODELS; do
   case $1 in keys) keys $m 2048 256 64 & keys $m 8192 64 128 & ;; esac
+  case $1 in ranges) ranges $m 2048 256 64 & ranges $m 8192 64 128 & ;; esac
   case $1 in
     probe) [ $m = gemma3-270m ] && $E "$(gguf_of $m)" --model $m --ppl-contexts 2048 --ppl-sequences 64 --ppl-decode 64 \
              --methods bf16,default --retrieval-lengths "" --out "$W" --name eval_gemma3-270m_h200_2k_64seq \

@@ -17,7 +17,7 @@ storage raises). Sizes, buckets and capacity checks: :meth:`OscarBackend._storag
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -118,6 +118,12 @@ class BackendOptions:
     # "auto": per-token keys for the artifact's ``token_key_layers`` (the long-context check's layers whose keys
     # lose clearly less per token); None: every layer ``key_format``. Not yet measured end to end (2026-12-05).
     layer_key_formats: dict | str | None = None
+    # Per-channel keys: each channel's range over a page narrows to a layer's ratio of its width about its midpoint.
+    # "auto": the ratios the artifact's long-context check chose on the attention output; a dict {layer: ratio in
+    # (0, 1]}; None (default): full ranges. An option until measured end to end: on SmolLM2-135M at 8K the best
+    # ratio per layer halves the summed squared key error (layer 18: 0.25 -> 0.08), but layers 3-9 want their full
+    # ranges there while the 2K check chose 0.9-0.95 for them (probe_*_8k_page_clips.json).
+    key_page_clips: dict | str | None = None
     # Attention lowers each INT2 key's score by this times half its rounding noise's variance (PagedInt2KVCache's
     # score_debias): the noise otherwise inflates the INT2 keys' share of the attention. 0: off.
     score_debias: float = 0.0
@@ -134,6 +140,21 @@ def resolve_page_size(key_format: str, page_size: int | None, who: str = "oscar"
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"{who}: page_size must be a positive int (tokens a page), got {page_size!r}")
     return page_size
+
+
+def resolve_key_page_clips(clips, artifacts=None, who: str = "oscar_backend") -> dict:
+    """``{layer: page range ratio}`` from the ``key_page_clips`` option: a dict (checked), "auto" (the artifact's
+    ``key_page_clips``) or None (none: every channel's full range)."""
+    if clips is None:
+        return {}
+    if clips == "auto":
+        return dict(artifacts.key_page_clips) if artifacts is not None else {}
+    if not isinstance(clips, dict) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
+                                              and isinstance(r, (int, float)) and not isinstance(r, bool)
+                                              and 0.0 < r <= 1.0 for k, r in clips.items()):
+        raise ValueError(f"{who}: key_page_clips maps layer indices to ratios in (0, 1] (or is 'auto' or None), "
+                         f"got {clips!r}")
+    return {k: float(r) for k, r in clips.items()}
 
 
 def resolve_layer_key_formats(formats, artifacts=None, who: str = "oscar_backend") -> dict:
@@ -176,6 +197,7 @@ class OscarBackend:
             raise ValueError(f"oscar_backend: layer_group_sizes maps layer indices to group sizes (ints > 0), got {groups!r}")
         self.options.layer_group_sizes = groups
         self.options.layer_key_formats = resolve_layer_key_formats(self.options.layer_key_formats, artifacts)
+        self.options.key_page_clips = resolve_key_page_clips(self.options.key_page_clips, artifacts)
         self.artifacts = artifacts
         if self.options.sliding_windows is None and artifacts is not None and artifacts.sliding_windows:
             self.options.sliding_windows = artifacts.sliding_windows  # recorded at calibration
@@ -373,7 +395,10 @@ class OscarBackend:
                 score_debias=o.score_debias, dtype=dtype,
                 meta_dtype=o.meta_dtype, device=device,
             )
-            cache.set_transforms(0, self._transforms(layer, m.num_kv_heads, m.head_dim))
+            tr = self._transforms(layer, m.num_kv_heads, m.head_dim)
+            if key[0] == "layer" and layer in o.key_page_clips:
+                tr = replace(tr, key_page_clip=o.key_page_clips[layer])
+            cache.set_transforms(0, tr)
             self.storage[full_key] = cache
             log.info("oscar: %s: new INT2 storage for %d row(s) x %d tokens (batch %s, cache length %s), %.2f MiB; "
                      "this backend holds %d storages, %.2f MiB", name, rows, max_len, m.batch, length,

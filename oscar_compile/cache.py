@@ -61,6 +61,9 @@ class LayerTransforms:
     value_mean: torch.Tensor
     key_clip: float = 1.0
     value_clip: float = 1.0
+    # per-channel keys (key_format="channel"): each channel's page range narrows to this fraction of its width
+    # (quant.quantize_int2_channels); the key clip above is per-token keys' (a quantile of each row's |x|)
+    key_page_clip: float = 1.0
 
     @classmethod
     def identity(cls, num_kv_heads: int, head_dim: int, device=None) -> "LayerTransforms":
@@ -130,7 +133,7 @@ class LayerTransforms:
             err = (prod - eye).abs().max().item()
             if err > rtol * max(1.0, prod.abs().max().item()):
                 raise ValueError(f"oscar: {name} is not the identity (max error {err:.2e}): the inverse matrices do not match")
-        for name in ("key_clip", "value_clip"):
+        for name in ("key_clip", "value_clip", "key_page_clip"):
             r = getattr(self, name)
             if not 0.0 < r <= 1.0:
                 raise ValueError(f"oscar: {name} must be in (0, 1], got {r}")
@@ -391,11 +394,15 @@ class PagedInt2KVCache:
     def _op_args(self, layer: int):
         return (*self.layers[layer].tensors(), self.block_table)
 
+    def store_key_clip(self, tr: LayerTransforms) -> float:
+        """The ``key_clip`` argument of ``oscar::store`` for this cache: per-channel keys take the page range ratio."""
+        return float(tr.key_page_clip if self.key_format == "channel" else tr.key_clip)
+
     def store_args(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple:
         """The arguments of ``oscar::store`` that :meth:`store` passes (to call an implementation directly)."""
         tr = self.transforms[layer]
         return (k, v, positions, *self._op_args(layer), tr.key_transform, tr.key_mean, tr.value_transform,
-                tr.value_mean, tr.key_clip, tr.value_clip)
+                tr.value_mean, self.store_key_clip(tr), tr.value_clip)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Write ``k, v [B, kv_heads, T, d]`` at ``positions [T] or [B, T]`` (negative = padding).

@@ -117,6 +117,8 @@ def _eval(args) -> int:
                 label += f" keys per channel x{read_options[n]['page_size']}"
             if read_options[n].get("layer_key_formats") == "auto":
                 label += f" keys per token L{','.join(map(str, artifacts[n].token_key_layers)) or ' none'}"
+            if read_options[n].get("key_page_clips") == "auto":
+                label += " narrowed page ranges"
             if read_options[n].get("score_debias"):
                 label += f" debias {read_options[n]['score_debias']:g}"
             options.update(read_options[n])
@@ -232,7 +234,8 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     layers 4 to 10 and 20 (the backend's layer_group_sizes); "method:c32": keys per channel over pages of 32
     tokens (the backend's key_format="channel", page_size=32; the default); "method:t": keys per token (the backend's
     key_format="token", pages of 16); "method:ka": keys per token in the layers the long-context check chose
-    (the backend's layer_key_formats="auto"); "method:d" ("method:d0.5"): INT2 scores debiased
+    (the backend's layer_key_formats="auto"); "method:kr": per-channel keys over page ranges narrowed by the
+    ratios the long-context check chose (the backend's key_page_clips="auto"; the default keeps full ranges); "method:d" ("method:d0.5"): INT2 scores debiased
     by 1 (0.5) times half their rounding noise's variance (the backend's score_debias). The last two come back as
     each method's backend options."""
     from .backend import DEFAULT_PAGE_SIZE
@@ -242,7 +245,7 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     usage = ("':L<layer>' keeps a layer in BF16, ':p<tokens>' spreads the calibration rows, ':g<size>.<layers>' "
              "(e.g. g32.4-10.20) gives layers their own group size, ':c<tokens>' quantizes keys per channel over "
              "pages of that many tokens (the default: c32), ':t' per token, ':ka' per token in the layers the "
-             "long-context check chose, and ':d' (':d<c>', c in (0, 4]) debiases INT2 scores (an oscar method only, "
+             "long-context check chose, ':kr' per channel over the check's narrowed page ranges, and ':d' (':d<c>', c in (0, 4]) debiases INT2 scores (an oscar method only, "
              "e.g. default:L0:p2048:g32.7:c32:d)")
     for n in names:
         head, *tags = n.split(":")
@@ -254,7 +257,10 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         debias_tags = [t for t in tags if t.startswith("d") and _debias_value(t) is not None]
         channel_tags += [t for t in tags if t == "t"]  # a key format either way: at most one of c<tokens> and t
         auto_tags = [t for t in tags if t == "ka"]  # per-token keys in the check's token_key_layers
+        range_tags = [t for t in tags if t == "kr"]  # per-channel keys over the check's narrowed page ranges
         read_options[n] = {}
+        if range_tags:
+            read_options[n]["key_page_clips"] = "auto"
         if auto_tags:
             read_options[n]["layer_key_formats"] = "auto"
         if channel_tags == ["t"]:
@@ -264,9 +270,9 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         if debias_tags:
             read_options[n]["score_debias"] = _debias_value(debias_tags[0])
         if (len(layer_tags) + len(position_tags) + len(group_tags) + len(channel_tags) + len(debias_tags)
-                + len(auto_tags) != len(tags)
+                + len(auto_tags) + len(range_tags) != len(tags)
                 or len(position_tags) > 1 or len(channel_tags) > 1 or len(debias_tags) > 1 or len(auto_tags) > 1
-                or (auto_tags and channel_tags == ["t"])
+                or len(range_tags) > 1 or (auto_tags and channel_tags == ["t"]) or (range_tags and channel_tags == ["t"])
                 or (tags and base[n] in ("bf16", "kivi"))):
             raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, {usage}")
         try:

@@ -63,8 +63,9 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
         seq = "" if seq_len == 512 else f"-s{seq_len}"
         seq += f"-p{position_range}" if position_range else ""
         check = f"-c{check_len}x{check_seqs}-sw{num_sinks}_{window}" if checked else ""
-        # the check measures the backend's key format: per-token checks (before 2026-12-05) keep their old names
-        check += f"-kc{DEFAULT_PAGE_SIZE['channel']}" if checked and BackendOptions.key_format == "channel" else ""
+        # the check measures the backend's key format: per-token checks (before 2026-12-05) keep their old names, and
+        # per-channel checks that chose no page range ratios theirs ("-kc32"; "-kc32r" since)
+        check += f"-kc{DEFAULT_PAGE_SIZE['channel']}r" if checked and BackendOptions.key_format == "channel" else ""
         return cache_dir() / "artifacts" / f"{model_name}-{parse_method(method).name}-{tokens}{seq}{check}"
 
     if check_len:

@@ -109,18 +109,28 @@ def quantize_int2(
 
 
 def quantize_int2_channels(
-    x: torch.Tensor, meta_dtype: torch.dtype = torch.float16
+    x: torch.Tensor, meta_dtype: torch.dtype = torch.float16, clip_ratio: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x [..., T, d]`` to INT2 per channel over its ``T`` tokens (KIVI's key axis): one (scale, min)
-    per channel, the same rounding as :func:`quantize_int2`, no clipping (a channel's outlier tokens are what
-    the per-channel range is for). Returns ``(codes, scale, minimum)``: codes uint8 ``[..., T, d/4]`` (quartered
-    packing, as per-token rows), ``scale`` and ``minimum`` in ``meta_dtype`` with shape ``[..., d]``."""
+    per channel, the same rounding as :func:`quantize_int2`. ``clip_ratio`` < 1 narrows each channel's range to
+    that fraction of its width about its midpoint (tokens outside take the end codes): a layer's ratio is chosen by
+    the long-context check on the attention output, since one outlier token a page otherwise spends the channel's
+    four levels on itself. Returns ``(codes, scale, minimum)``: codes uint8 ``[..., T, d/4]`` (quartered packing,
+    as per-token rows), ``scale`` and ``minimum`` in ``meta_dtype`` with shape ``[..., d]``."""
     if not x.is_floating_point():
         raise TypeError(f"quantize_int2_channels needs a floating-point tensor, got {x.dtype}")
     _check_head_dim(x.shape[-1], None)
+    if clip_ratio is not None and not 0.0 < clip_ratio <= 1.0:
+        raise ValueError(f"clip_ratio must be in (0, 1], got {clip_ratio}")
     xf = x.float()
     mn, mx = xf.amin(dim=-2), xf.amax(dim=-2)
-    scale = ((mx - mn) / _INT2_LEVELS).to(meta_dtype)
+    if clip_ratio is not None and clip_ratio < 1.0:
+        # the same float32 operations, in the same order, as the Triton store (triton_store._quantize_store)
+        width = (mx - mn) * clip_ratio
+        mn, mx = (mx + mn) * 0.5 - width * 0.5, None
+        scale = (width / _INT2_LEVELS).to(meta_dtype)
+    else:
+        scale = ((mx - mn) / _INT2_LEVELS).to(meta_dtype)
     minimum = mn.to(meta_dtype)
     s32, m32 = scale.float().unsqueeze(-2), minimum.float().unsqueeze(-2)
     inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))

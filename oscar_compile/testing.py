@@ -23,17 +23,18 @@ def random_invertible(h: int, d: int, gen: torch.Generator, spread: float = 4.0)
 
 
 def random_transforms(h: int, d: int, kind: str, gen: torch.Generator, clip: float = 1.0) -> LayerTransforms:
-    """``kind``: identity | orthogonal | invertible (means random unless identity)."""
+    """``kind``: identity | orthogonal | invertible (means random unless identity). ``clip``: every clip ratio
+    (per-token keys and values, and per-channel keys' page range)."""
     if kind == "identity":
         t = LayerTransforms.identity(h, d)
-        t.key_clip = t.value_clip = clip
-        return t
-    make = random_orthogonal if kind == "orthogonal" else random_invertible
-    return LayerTransforms.from_matrices(
-        make(h, d, gen), make(h, d, gen),
-        key_mean=torch.randn(h, d, generator=gen), value_mean=torch.randn(h, d, generator=gen),
-        key_clip=clip, value_clip=clip,
-    )
+    else:
+        make = random_orthogonal if kind == "orthogonal" else random_invertible
+        t = LayerTransforms.from_matrices(
+            make(h, d, gen), make(h, d, gen),
+            key_mean=torch.randn(h, d, generator=gen), value_mean=torch.randn(h, d, generator=gen),
+        )
+    t.key_clip = t.value_clip = t.key_page_clip = clip
+    return t
 
 
 def twin_caches(h: int, d: int, batch: int, max_len: int, num_sinks: int, window: int, page_size: int,
@@ -86,14 +87,15 @@ class CacheOracle:
 
     def history(self, row: int, tokens: list[torch.Tensor], clip: float, exact_from: int, channel: bool = False) -> torch.Tensor:
         """Stored history; positions ``>= exact_from`` (the newest chunk) are read exactly. ``channel``: the side
-        is quantized per channel over whole pages (the cache's per-channel keys)."""
+        is quantized per channel over whole pages (the cache's per-channel keys; ``clip`` then narrows each channel's
+        range about its midpoint)."""
         c = self.cache
         x = torch.stack(tokens).double()  # [L, H, d]
         length, (_, h, d) = x.shape[0], x.shape
         lo, hi = c.num_sinks, c.num_sinks + c.quantized_tokens(length)
         if channel and hi > lo:  # every whole page, its chunk tokens included; those are then read exactly
             by_page = x[lo:hi].to(c.dtype).float().reshape(-1, c.page_size, h, d).transpose(1, 2)
-            packed, scale, mn = quantize_int2_channels(by_page, c.meta_dtype)
+            packed, scale, mn = quantize_int2_channels(by_page, c.meta_dtype, clip)
             deq = dequantize_int2(packed, scale[..., None, :], mn[..., None, :], group_size=1)
             exact = x[exact_from:].clone()
             x[lo:hi] = deq.transpose(1, 2).reshape(hi - lo, h, d).double()
@@ -111,7 +113,8 @@ class CacheOracle:
         The newest ``chunk`` tokens are read exactly (as when attention gets the stored chunk).
         """
         exact_from = len(self.keys[row]) - chunk
-        keys = self.history(row, self.keys[row], self.tr.key_clip, exact_from, channel=self.cache.key_format == "channel")
+        keys = self.history(row, self.keys[row], self.cache.store_key_clip(self.tr), exact_from,
+                            channel=self.cache.key_format == "channel")
         vals = self.history(row, self.values[row], self.tr.value_clip, exact_from)
         hq, t, d = q.shape
         h = keys.shape[1]

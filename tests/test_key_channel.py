@@ -239,6 +239,23 @@ def test_backend_with_channel_keys_equals_the_ops_called_directly():
         with pytest.raises(ValueError, match="layer_key_formats"):
             oscar_backend(layer_key_formats=bad)
 
+    # key_page_clips: a layer's ratio reaches its storage's store (its key_clip argument) and changes its logits;
+    # the ratio 1 is the full range (the default without a checked artifact)
+    torch._dynamo.reset()
+    backend = oscar_backend(inductor=False, key_page_clips={1: 0.7}, **opts)
+    narrowed = prefill_and_decode(torch.compile(model, backend=backend), ids, make_hf_cache("oscar", model, 32, 2), 8)
+    caches = [c for _, c in sorted(backend.storage.items(), key=lambda kv: kv[0][0][1])]
+    assert [c.store_key_clip(c.transforms[0]) for c in caches] == [1.0, 0.7]
+    assert rel_error(narrowed, runs["channel"]) > 1e-4
+    torch._dynamo.reset()
+    backend = oscar_backend(inductor=False, key_page_clips={0: 1.0, 1: 1.0}, **opts)
+    full = prefill_and_decode(torch.compile(model, backend=backend), ids, make_hf_cache("oscar", model, 32, 2), 8)
+    torch.testing.assert_close(full, runs["channel"], rtol=1e-6, atol=1e-6)
+    assert oscar_backend().options.key_page_clips == {} and oscar_backend(key_page_clips="auto").options.key_page_clips == {}
+    for bad in ({0: 0.0}, {0: 1.5}, {-1: 0.9}, {0: True}, "all", [0.9]):
+        with pytest.raises(ValueError, match="key_page_clips"):
+            oscar_backend(key_page_clips=bad)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page, tol", [(32, 5e-3), (8, 1e-4)])

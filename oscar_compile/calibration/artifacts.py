@@ -79,6 +79,12 @@ class Artifacts:
         return tuple(int(i) for i in self.calibration.get("token_key_layers", ()))
 
     @property
+    def key_page_clips(self) -> dict[int, float]:
+        """``{layer: ratio}``: each layer's page range ratio for per-channel keys, chosen by the long-context check
+        (the backend's ``key_page_clips="auto"``); empty if unchecked or checked with per-token keys."""
+        return {i: float(r) for i, r in enumerate(self.calibration.get("key_page_clips") or ()) if r is not None}
+
+    @property
     def clip_ratios(self) -> list[tuple[float, float]]:
         return [(t.key_clip, t.value_clip) for t in self.layers]
 

@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 import torch
 
 from .artifacts import Artifacts
-from .clipping import lower_medians, relative_errors
+from .clipping import PAGE_CLIP_GRID, lower_medians, relative_errors
 from .statistics import StatsObserver
 
 # A layer is an outlier where its key or value error is this many times the layers' (lower) median error...
@@ -59,9 +59,12 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
     ``key_format`` and ``page_size`` unless given (default: per channel over pages of 32). The sequences should be as
     long as the contexts served, and disjoint from the evaluation text.
 
-    With per-channel keys the check also measures each layer's keys per token (``check_token_key_error``) and lists
-    the layers where that error is below ``TOKEN_KEY_RATIO`` times the per-channel one (``token_key_layers``):
-    what the backend's ``layer_key_formats="auto"`` keeps per token."""
+    With per-channel keys the check also chooses each layer's page range ratio (``key_page_clips``, from
+    ``PAGE_CLIP_GRID``, the one with the least key error, recorded in ``check_page_clip_key_error``; the backend's
+    ``key_page_clips="auto"``, an option: the recorded key errors and the choices below are the full ranges', what
+    the backend stores by default). It also measures each layer's keys per token (``check_token_key_error``) and lists the
+    layers where that error is below ``TOKEN_KEY_RATIO`` times the per-channel one (``token_key_layers``): what the
+    backend's ``layer_key_formats="auto"`` keeps per token."""
     from ..backend import BackendOptions, resolve_page_size
     from .tracer import run_observed
 
@@ -88,19 +91,26 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
                            f"{len(artifacts.layers)}")
     group = artifacts.options.get("group_size")
     sliding = artifacts.sliding_windows  # kept as exact BF16 rings by the backend: never INT2, not candidates
-    errors, token_key_errors = [], {}
+    errors, token_key_errors, page_clips, clipped_key_errors = [], {}, [], []
+    grid = tuple(r for r in PAGE_CLIP_GRID if r < 1.0) if key_page else ()
     for layer, tr in enumerate(artifacts.layers):
         h = observer.heldout.pop(layer)  # long sequences' activations: free them as we go
         if layer in sliding:
             errors.append(None)
+            page_clips.append(None)
+            clipped_key_errors.append(None)
             continue
-        # with per-channel keys, the same keys per token too: where they do clearly better, layer_key_formats="auto"
-        # keeps them so
-        key, value, *token_key = (round(e, 4) for e in relative_errors(
-            h.q, h.k, h.v, tr, group, num_sinks, window, key_page, other_key_pages=(0,) if key_page else ()))
+        # with per-channel keys, the same keys per token too (where they do clearly better, layer_key_formats="auto"
+        # keeps them so) and per channel at each narrower page range, all on one set of attention weights
+        key, value, *rest = (round(e, 4) for e in relative_errors(
+            h.q, h.k, h.v, tr, group, num_sinks, window, key_page, other_key_pages=(0,) if key_page else (),
+            page_clips=grid))
+        if key_page:
+            token_key_errors[layer] = rest[0]
+            ratio, clipped = min(zip((1.0, *grid), (key, *rest[1:])), key=lambda rk: rk[1])  # ties: the wider range
+            page_clips.append(ratio)
+            clipped_key_errors.append(clipped)
         errors.append([key, value])
-        if token_key:
-            token_key_errors[layer] = token_key[0]
     chosen = select_bf16_layers(errors, factor, floor, max_layers)
     token_layers = sorted(layer for layer, e in token_key_errors.items()
                           if layer not in chosen and e < TOKEN_KEY_RATIO * errors[layer][0])
@@ -109,5 +119,6 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
                check_key_format=[key_format, page_size], bf16_layers=chosen)
     if key_page:
         cal.update(check_token_key_error=[token_key_errors.get(i) for i in range(len(errors))],
-                   token_key_layers=token_layers)
+                   token_key_layers=token_layers, key_page_clips=page_clips,
+                   check_page_clip_key_error=clipped_key_errors)
     return dataclasses.replace(artifacts, calibration=cal)

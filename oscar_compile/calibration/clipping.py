@@ -27,15 +27,19 @@ def round_trip(x: torch.Tensor, clip: float | None, group_size: int | None) -> t
     return dequantize_int2(codes, scale, mn, group_size)
 
 
-def round_trip_pages(x: torch.Tensor, page: int, start: int = 0) -> torch.Tensor:
+# Page range ratios the long-context check tries for per-channel keys (1.0: each channel's full range over a page).
+PAGE_CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+
+
+def round_trip_pages(x: torch.Tensor, page: int, start: int = 0, clip: float | None = None) -> torch.Tensor:
     """``x [..., T, d]`` with its whole pages of ``page`` tokens from ``start`` on quantized per channel over each
-    page (the cache's ``key_format="channel"``, no clipping); the tokens before ``start`` and those of a last, partial
-    page (still in the cache's ring) stay exact."""
+    page (the cache's ``key_format="channel"``; ``clip``: the page range ratio, see ``quantize_int2_channels``); the
+    tokens before ``start`` and those of a last, partial page (still in the cache's ring) stay exact."""
     n = (x.shape[-2] - start) // page
     if n <= 0:
         return x.clone()
     pages = x[..., start:start + n * page, :].unflatten(-2, (n, page))
-    codes, scale, mn = quantize_int2_channels(pages)
+    codes, scale, mn = quantize_int2_channels(pages, clip_ratio=clip)
     deq = dequantize_int2(codes, scale.unsqueeze(-2), mn.unsqueeze(-2), group_size=1)  # a group a channel
     out = x.clone()
     out[..., start:start + n * page, :] = deq.flatten(-3, -2)
@@ -116,7 +120,7 @@ def key_output_error(probs, q, k, v, tr: LayerTransforms, clip: float, group_siz
                      window: int = 0, key_page: int = 0) -> float:
     """``|| (P_hat - P) v ||^2``: what INT2 keys do to the attention output, values exact (``probs``: ``P``, from
     :func:`attention_probs`). ``key_page``: keys per channel over pages of that many tokens after the sinks (the
-    cache's ``key_format="channel"``; ``clip`` and ``group_size`` then apply to values only); 0: per token.
+    cache's ``key_format="channel"``; ``clip`` is then the page range ratio, ``group_size`` unused); 0: per token.
 
     A logit error matters by its size in nats, not relative to the logits: a layer with large, peaked logits
     loses its attention pattern to a relative logit error that is harmless elsewhere (Qwen2.5-Coder-0.5B's layer
@@ -125,7 +129,7 @@ def key_output_error(probs, q, k, v, tr: LayerTransforms, clip: float, group_siz
     h = k.shape[1]
     kt = torch.einsum("bhtd,hde->bhte", k.float() - tr.key_mean[None, :, None], tr.key_transform)
     qt = torch.einsum("bhgtd,hde->bhgte", q.float().reshape(b, h, hq // h, t, d), tr.query_transform)
-    kq = round_trip_pages(kt, key_page, skip) if key_page else round_trip(kt, clip, group_size)
+    kq = round_trip_pages(kt, key_page, skip, clip) if key_page else round_trip(kt, clip, group_size)
     if skip:
         kq[:, :, :skip] = kt[:, :, :skip]  # sink tokens stay in BF16
     # q'.k_hat' is q.k_hat less q.mu_k, the same for every key of a query: softmax ignores it
@@ -144,17 +148,21 @@ def lower_medians(errors) -> list[float]:
 
 
 def relative_errors(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size=None, skip: int = 0,
-                    window: int = 0, key_page: int = 0, other_key_pages: tuple = ()) -> tuple:
+                    window: int = 0, key_page: int = 0, other_key_pages: tuple = (), page_clips: tuple = ()) -> tuple:
     """Held-out relative RMS errors of a layer's attention output with INT2 keys (values exact) and with INT2
     values (keys exact) at its clip ratios: what the calibration records per layer so that a layer whose keys or
     values do not survive 2 bits stands out. ``skip`` sinks and each query's last ``window`` keys stay exact
     (0: every key but the sinks is INT2); ``key_page``: keys per channel over pages (:func:`key_output_error`).
-    ``other_key_pages``: the key error in other key formats too, appended, on the same attention weights."""
-    ke, ve, energy = [0.0] * (1 + len(other_key_pages)), 0.0, 0.0
+    ``other_key_pages``: the key error in other key formats too, appended, on the same attention weights.
+    ``page_clips``: with per-channel keys, the key error at each of these page range ratios, appended after those
+    (``tr.key_clip`` is the per-token clip: per-channel keys are measured at ratio 1 unless given here)."""
+    formats = [(page, tr.key_clip if not page else 1.0) for page in (key_page, *other_key_pages)]
+    formats += [(key_page, r) for r in (page_clips if key_page else ())]
+    ke, ve, energy = [0.0] * len(formats), 0.0, 0.0
     for q, k, v in zip(heldout_q, heldout_k, heldout_v):
         probs = attention_probs(q, k)
-        for i, page in enumerate((key_page, *other_key_pages)):
-            ke[i] += key_output_error(probs, q, k, v, tr, tr.key_clip, group_size, skip, window, page)
+        for i, (page, clip) in enumerate(formats):
+            ke[i] += key_output_error(probs, q, k, v, tr, clip, group_size, skip, window, page)
         ve += value_error(probs, v, tr, tr.value_clip, group_size, skip, window)
         energy += output_energy(probs, v)
     rel = [(e / max(energy, 1e-30)) ** 0.5 for e in (ke[0], ve, *ke[1:])]

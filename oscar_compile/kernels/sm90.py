@@ -18,7 +18,7 @@ from triton.backends.compiler import GPUTarget
 # Integer arguments taken as not divisible by 16: those a kernel declares ``do_not_specialize`` (read from
 # the kernel) and these, rarely multiples of 16 at a launch; every other one (strides) is taken as one.
 NOT_DIVISIBLE = {"sc_s", "sm_s", "sm_h", "MAX_PAGES", "NH"}
-FLOATS = {"qk_scale", "kclip_frac", "vclip_frac", "debias"}
+FLOATS = {"qk_scale", "kclip_frac", "vclip_frac", "kratio", "debias"}
 
 ATTENTION_POINTERS = {
     "qq_ptr": "*fp16", "pos_ptr": "*i64", "len_ptr": "*i64", "c0_ptr": "*i64", "cend_ptr": "*i64",
@@ -130,10 +130,11 @@ def compile_store(d=128, ng=1, clip=True, frag=True, chunk_only=False):
 
 def compile_store_pages(d=128, ps=32, clip=True, tmap=True):
     """Per-channel keys: the page flush (a chunk, or a decode step without the chunk map) and the ring write that
-    follow the store's chunk launch."""
+    follow the store's chunk launch. ``clip``: values clipped and keys' page ranges narrowed (key_page_clip)."""
     from .triton_store import _flush_pages_kernel
 
-    return compile_sm90(_flush_pages_kernel, dict(PS=ps, D=d, NG=1, V_CLIP=clip, FRAG=True, HAS_TMAP=tmap),
+    return compile_sm90(_flush_pages_kernel, dict(PS=ps, D=d, NG=1, V_CLIP=clip, FRAG=True, HAS_TMAP=tmap,
+                                                  K_RANGE=clip),
                         STORE_POINTERS, num_warps=8 if d * ps >= 8192 else 4)
 
 

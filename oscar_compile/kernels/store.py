@@ -14,7 +14,8 @@ Semantics (DESIGN.md section 3), per sequence row ``b``; ``S`` sinks, ``W`` wind
 * Per-channel keys (``k_meta`` of ``[num_pages, 1, H, 2 * d]``, see :func:`checks.is_channel_key_meta`): a
   page's keys are quantized together, per channel over its ``P`` tokens, when the last of them leaves the
   window; until then they stay in the ring, which holds ``W + P - 1`` tokens (``W`` = ring length - P + 1).
-  Values go per token, entering the pages at the same time. The key clip ratio does not apply to them.
+  Values go per token, entering the pages at the same time. ``key_clip`` < 1 then narrows each channel's range
+  over the page to that fraction of its width about its midpoint (:func:`~oscar_compile.quant.quantize_int2_channels`).
 * Negative positions are padding and are skipped. The valid positions of a row must be
   consecutive and continue that row's history (as every KV cache writes them).
 * A cache with no pages (block table of width 0) drops a token that leaves the ring instead of
@@ -86,7 +87,7 @@ def _write_pages(geo, codes, meta, block_table, row, quant_index, rows_fp, clip,
     if kind == "k" and geo.key_channel:  # whole pages (quant_index starts and ends on page boundaries)
         ps, h, d = geo.page_size, geo.num_kv_heads, geo.head_dim
         by_page = rows_fp.reshape(-1, ps, h, d).transpose(1, 2)  # [pages, H, P, d]
-        packed, scale, minimum = quantize_int2_channels(by_page, meta_dtype=meta.dtype)
+        packed, scale, minimum = quantize_int2_channels(by_page, meta_dtype=meta.dtype, clip_ratio=clip)
         # a (page, head) holding a NaN/inf dequantizes to NaN as a whole: its channels' ranges are meaningless
         bad = ~torch.isfinite(by_page).flatten(2).all(dim=-1)[..., None]
         scale, minimum = torch.where(bad, nan, scale), torch.where(bad, nan, minimum)

@@ -74,7 +74,8 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
     """Quantize rows ``y [BLOCK_T, D]`` (fp32) where ``keep``; row r goes to quantized index ``qidx[r]``.
 
     ``CHANNEL``: the rows are one whole page (``BLOCK_T == PS``, all kept), quantized per channel over its tokens
-    (one (scale, min) per channel, written once for the page at ``meta[page, 0, h]``; no clipping)."""
+    (one (scale, min) per channel, written once for the page at ``meta[page, 0, h]``); with ``HAS_CLIP`` each
+    channel's range narrows to ``clip_frac`` of its width about its midpoint."""
     if tl.sum(keep.to(tl.int32), 0) > 0:  # most decode steps quantize nothing (the token goes to the ring)
         # Before clipping (the GPU's min/max drop NaN): x - x is 0 only for finite x.
         finite = tl.min(((y - y) == 0.0).to(tl.int32), axis=1) > 0
@@ -84,7 +85,11 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
             page_finite = tl.min(finite.to(tl.int32), axis=0) > 0
             mn = tl.min(y, axis=0)
             mx = tl.max(y, axis=0)
-            scale = tl.div_rn(mx - mn, tl.full(mx.shape, 3.0, tl.float32)).to(meta_ty).to(tl.float32)
+            width = mx - mn
+            if HAS_CLIP:  # quant.quantize_int2_channels' float32 operations, in its order
+                width = width * clip_frac
+                mn = (mx + mn) * 0.5 - width * 0.5
+            scale = tl.div_rn(width, tl.full(mx.shape, 3.0, tl.float32)).to(meta_ty).to(tl.float32)
             mn = mn.to(meta_ty).to(tl.float32)
             inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
             c = tl.floor((y - mn[None, :]) * inv[None, :] + 0.5)
@@ -278,9 +283,9 @@ def _flush_side(out_ptr, so_b, so_t, so_h, ring_ptr, sr_b, sr_t, sr_h, codes_ptr
 def _flush_pages_kernel(kout_ptr, vout_ptr, so_b, so_t, so_h, tmap_ptr, stm_b, first_ptr, last_ptr,
                         kc_ptr, km_ptr, vc_ptr, vm_ptr, kr_ptr, vr_ptr, bt_ptr, stride_bt_b,
                         sc_p, sc_s, sc_h, skm_p, skm_h, svm_p, svm_s, svm_h, sr_b, sr_t, sr_h,
-                        vclip_lo, vclip_frac, S, W, WE, MAX_PAGES, NUM_PAGES, NH,
+                        vclip_lo, vclip_frac, kratio, S, W, WE, MAX_PAGES, NUM_PAGES, NH,
                         PS: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, V_CLIP: tl.constexpr,
-                        FRAG: tl.constexpr, HAS_TMAP: tl.constexpr = True):
+                        FRAG: tl.constexpr, HAS_TMAP: tl.constexpr = True, K_RANGE: tl.constexpr = False):
     """Per-channel keys: the pages this call completes, one page of one row, head and side a program.
 
     A row holding ``L`` tokens keeps ``quantized_len(L)`` of them in pages (whole pages). The pages between the
@@ -288,7 +293,7 @@ def _flush_pages_kernel(kout_ptr, vout_ptr, so_b, so_t, so_h, tmap_ptr, stm_b, f
     tokens' cache-dtype rows: those of earlier calls still in the ring (it holds ``W = WE + PS - 1``), the rest
     from this call's transformed chunk (``tmap``: position - first -> chunk index; without ``HAS_TMAP``, a decode
     step, the chunk is its one token). Runs before the ring takes this call's tokens (:func:`_ring_kernel`), which
-    may overwrite the slots read here."""
+    may overwrite the slots read here. ``K_RANGE``: keys' channel ranges narrow to ``kratio`` of their width."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(2) % NH
     first = tl.load(first_ptr + b).to(tl.int64)
@@ -307,8 +312,8 @@ def _flush_pages_kernel(kout_ptr, vout_ptr, so_b, so_t, so_h, tmap_ptr, stm_b, f
                 t = tl.zeros([PS], tl.int64)
             if tl.program_id(2) < NH:
                 _flush_side(kout_ptr, so_b, so_t, so_h, kr_ptr, sr_b, sr_t, sr_h, kc_ptr, km_ptr, bt_ptr, stride_bt_b,
-                            b, h, t, from_ring, q, j, sc_p, sc_s, sc_h, skm_p, 0, skm_h, 0, 0.0, W, MAX_PAGES,
-                            NUM_PAGES, PS, D, NG, False, FRAG, 0, True)
+                            b, h, t, from_ring, q, j, sc_p, sc_s, sc_h, skm_p, 0, skm_h, 0, kratio, W, MAX_PAGES,
+                            NUM_PAGES, PS, D, NG, K_RANGE, FRAG, 0, True)
             else:
                 _flush_side(vout_ptr, so_b, so_t, so_h, vr_ptr, sr_b, sr_t, sr_h, vc_ptr, vm_ptr, bt_ptr, stride_bt_b,
                             b, h, t, from_ring, q, j, sc_p, sc_s, sc_h, svm_p, svm_s, svm_h, vclip_lo, vclip_frac, W,
@@ -364,7 +369,7 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    kl, kf, kc = _clip_args(key_clip, d)
+    kl, kf, kc = _clip_args(key_clip, d)  # per-token keys; per-channel keys take key_clip as their page range ratio
     vl, vf, vc = _clip_args(value_clip, d)
     block_t = 16
     f32 = lambda x: x.float().contiguous()  # noqa: E731
@@ -380,17 +385,17 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
         k_sink.stride(0), k_sink.stride(1), k_sink.stride(2), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
         k_out.stride(0), k_out.stride(1), k_out.stride(2), kl, kf, vl, vf, geo.num_sinks, geo.window, geo.max_pages,
         geo.num_pages, h,
-        PS=geo.page_size, BLOCK_T=block_t, D=d, NG=geo.num_groups, K_CLIP=kc, V_CLIP=vc, HAS_RING=geo.window > 0,
+        PS=geo.page_size, BLOCK_T=block_t, D=d, NG=geo.num_groups, K_CLIP=kc and not geo.key_channel, V_CLIP=vc, HAS_RING=geo.window > 0,
         FRAG=fragment_order.in_fragment_order(k_codes), num_warps=warps, CHUNK_ONLY=geo.key_channel,
     )
     if geo.key_channel:
         _store_pages_then_ring(geo, pos, first, last, k_out, v_out, k_codes, k_meta, v_codes, v_meta, k_ring, v_ring,
-                               bt, vl, vf, vc)
+                               bt, vl, vf, vc, float(key_clip))
     return k_out, v_out
 
 
 def _store_pages_then_ring(geo, pos, first, last, k_out, v_out, k_codes, k_meta, v_codes, v_meta, k_ring, v_ring, bt,
-                           vclip_lo, vclip_frac, v_clip):
+                           vclip_lo, vclip_frac, v_clip, key_range=1.0):
     """Per-channel keys, after the chunk was transformed (and its sinks written): the pages the call completes,
     then the ring (two launches: a page may read a ring slot that this call's tokens overwrite)."""
     b, t, h, d = k_out.shape
@@ -406,9 +411,9 @@ def _store_pages_then_ring(geo, pos, first, last, k_out, v_out, k_codes, k_meta,
         k_codes, k_meta, v_codes, v_meta, k_ring, v_ring, bt, bt.stride(0),
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_meta.stride(0), k_meta.stride(2),
         v_meta.stride(0), v_meta.stride(1), v_meta.stride(2), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
-        vclip_lo, vclip_frac, geo.num_sinks, geo.window, geo.evict_window, geo.max_pages, geo.num_pages, h,
-        PS=ps, D=d, NG=geo.num_groups, V_CLIP=v_clip, FRAG=fragment_order.in_fragment_order(k_codes),
-        HAS_TMAP=t > 1, num_warps=8 if d * ps >= 8192 else 4,
+        vclip_lo, vclip_frac, key_range, geo.num_sinks, geo.window, geo.evict_window, geo.max_pages, geo.num_pages,
+        h, PS=ps, D=d, NG=geo.num_groups, V_CLIP=v_clip, FRAG=fragment_order.in_fragment_order(k_codes),
+        HAS_TMAP=t > 1, K_RANGE=key_range < 1.0, num_warps=8 if d * ps >= 8192 else 4,
     )
     block_t = 16
     _ring_kernel[(triton.cdiv(b * t, block_t), 2 * h)](

@@ -102,7 +102,7 @@ def rewrite(
             store = graph.call_function(
                 torch.ops.oscar.store.default,
                 (k_new, v_new, positions, *cache_nodes, t_nodes["key_transform"], t_nodes["key_mean"],
-                 t_nodes["value_transform"], t_nodes["value_mean"], float(tr.key_clip), float(tr.value_clip)),
+                 t_nodes["value_transform"], t_nodes["value_mean"], cache.store_key_clip(tr), float(tr.value_clip)),
             )
             k_chunk = graph.call_function(operator.getitem, (store, 0))
             v_chunk = graph.call_function(operator.getitem, (store, 1))

@@ -258,6 +258,21 @@ def test_long_context_check_records_errors_and_the_backend_keeps_its_layers(tmp_
     # keys as the backend stores them by default: per channel over pages of 32 (2 whole pages of the 78 after the
     # sinks); per-token keys give other key errors, the same value errors
     assert checked.calibration["check_key_format"] == ["channel", 32]
+    # ...each layer's page range ratio (the option key_page_clips="auto"): the grid's least key error, recorded apart;
+    # the recorded errors stay the full ranges' (the default storage); with the grid cut to the full range, every
+    # ratio is 1, its key error the full range's
+    from oscar_compile.calibration.clipping import PAGE_CLIP_GRID
+
+    clips, clipped = checked.key_page_clips, checked.calibration["check_page_clip_key_error"]
+    assert set(clips) == {0, 1} and all(r in PAGE_CLIP_GRID for r in clips.values())
+    with monkeypatch.context() as m:
+        m.setattr(check_module, "PAGE_CLIP_GRID", (1.0,))
+        full = check_layers(model, art, long, num_sinks=2, window=8, progress=False)
+    assert full.key_page_clips == {0: 1.0, 1: 1.0} and full.calibration["check_relative_error"] == errs
+    assert full.calibration["check_page_clip_key_error"] == [e[0] for e in errs]
+    for layer in (0, 1):
+        assert clipped[layer] < errs[layer][0] if clips[layer] < 1.0 else clipped[layer] == errs[layer][0]
+    assert any(r < 1.0 for r in clips.values())  # random tiny-model keys: some page range narrows
     # ...and the same keys per token, for layer_key_formats="auto": the layers where per token is clearly better
     token_key = checked.calibration["check_token_key_error"]
     assert len(token_key) == 2 and all(e > 0 for e in token_key)
@@ -269,7 +284,7 @@ def test_long_context_check_records_errors_and_the_backend_keeps_its_layers(tmp_
     assert auto == {0: "token", 1: "token"} and oscar_compile.oscar_backend(every).options.layer_key_formats == {}
     token = check_layers(model, art, long, num_sinks=2, window=8, key_format="token", progress=False)
     token_errs = token.calibration["check_relative_error"]
-    assert token.calibration["check_key_format"] == ["token", 16]
+    assert token.calibration["check_key_format"] == ["token", 16] and token.key_page_clips == {}
     assert [e[1] for e in token_errs] == [e[1] for e in errs] and [e[0] for e in token_errs] != [e[0] for e in errs]
     with pytest.raises(ValueError, match="key_format"):
         check_layers(model, art, long, key_format="row", progress=False)
@@ -593,7 +608,7 @@ def test_cached_artifacts_with_a_long_context_check(tmp_path, monkeypatch):
     names = sorted(p.name for p in (tmp_path / "artifacts").iterdir())
     # rows spread over the tiny model's 256 positions ("auto"), so the names say so
     # "-kc32": checked with keys per channel over pages of 32 (the backend's default)
-    assert names == ["tiny-oscar+kmean+vauto+scale-4096-s64-p256", "tiny-oscar+kmean+vauto+scale-4096-s64-p256-c96x2-sw2_8-kc32"]
+    assert names == ["tiny-oscar+kmean+vauto+scale-4096-s64-p256", "tiny-oscar+kmean+vauto+scale-4096-s64-p256-c96x2-sw2_8-kc32r"]
     again, cached = demo.cached_artifacts_for(model, tok, "tiny", ["default"], 4096, **kw)
     assert cached == {"default"} and again["default"].calibration["check_relative_error"] == art.calibration["check_relative_error"]
     with pytest.raises(ValueError, match="too few for a check"):
