@@ -127,7 +127,7 @@ def quantize_int2_channels(
     if clip_ratio is not None and clip_ratio < 1.0:
         # the same float32 operations, in the same order, as the Triton store (triton_store._quantize_store)
         width = (mx - mn) * clip_ratio
-        mn, mx = (mx + mn) * 0.5 - width * 0.5, None
+        mn = (mx + mn) * 0.5 - width * 0.5
         scale = (width / _INT2_LEVELS).to(meta_dtype)
     else:
         scale = ((mx - mn) / _INT2_LEVELS).to(meta_dtype)
