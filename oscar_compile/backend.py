@@ -142,6 +142,18 @@ def resolve_page_size(key_format: str, page_size: int | None, who: str = "oscar"
     return page_size
 
 
+def _is_layer(k) -> bool:
+    return isinstance(k, int) and not isinstance(k, bool) and k >= 0
+
+
+def _layer_map(value, valid, what: str, who: str) -> dict:
+    """``value`` as a ``{layer index: setting}`` dict, every setting passing ``valid``; else a ValueError saying
+    ``what`` the option maps layers to."""
+    if not isinstance(value, dict) or not all(_is_layer(k) and valid(v) for k, v in value.items()):
+        raise ValueError(f"{who}: {what}, got {value!r}")
+    return dict(value)
+
+
 def resolve_key_page_clips(clips, artifacts=None, who: str = "oscar_backend") -> dict:
     """``{layer: page range ratio}`` from the ``key_page_clips`` option: a dict (checked), "auto" (the artifact's
     ``key_page_clips``) or None (none: every channel's full range)."""
@@ -149,11 +161,9 @@ def resolve_key_page_clips(clips, artifacts=None, who: str = "oscar_backend") ->
         return {}
     if clips == "auto":
         return dict(artifacts.key_page_clips) if artifacts is not None else {}
-    if not isinstance(clips, dict) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
-                                              and isinstance(r, (int, float)) and not isinstance(r, bool)
-                                              and 0.0 < r <= 1.0 for k, r in clips.items()):
-        raise ValueError(f"{who}: key_page_clips maps layer indices to ratios in (0, 1] (or is 'auto' or None), "
-                         f"got {clips!r}")
+    ratio = lambda r: isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 < r <= 1.0  # noqa: E731
+    clips = _layer_map(clips, ratio, "key_page_clips maps layer indices to ratios in (0, 1] (or is 'auto' or None)",
+                       who)
     return {k: float(r) for k, r in clips.items()}
 
 
@@ -164,11 +174,8 @@ def resolve_layer_key_formats(formats, artifacts=None, who: str = "oscar_backend
         return {}
     if formats == "auto":
         return {layer: "token" for layer in (artifacts.token_key_layers if artifacts is not None else ())}
-    if not isinstance(formats, dict) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
-                                                and f in ("token", "channel") for k, f in formats.items()):
-        raise ValueError(f"{who}: layer_key_formats maps layer indices to 'token' or 'channel' (or is 'auto'), "
-                         f"got {formats!r}")
-    return dict(formats)
+    return _layer_map(formats, lambda f: f in ("token", "channel"),
+                      "layer_key_formats maps layer indices to 'token' or 'channel' (or is 'auto')", who)
 
 
 class OscarBackend:
@@ -192,10 +199,9 @@ class OscarBackend:
         if isinstance(layers, int) or not all(isinstance(x, int) and x >= 0 for x in layers):
             raise ValueError(f"oscar_backend: bf16_layers must be layer indices (a tuple of ints >= 0), got {layers!r}")
         self.options.bf16_layers = tuple(sorted(set(layers)))
-        groups = dict(self.options.layer_group_sizes or {})
-        if not all(isinstance(k, int) and k >= 0 and isinstance(g, int) and g > 0 for k, g in groups.items()):
-            raise ValueError(f"oscar_backend: layer_group_sizes maps layer indices to group sizes (ints > 0), got {groups!r}")
-        self.options.layer_group_sizes = groups
+        self.options.layer_group_sizes = _layer_map(
+            self.options.layer_group_sizes or {}, lambda g: isinstance(g, int) and not isinstance(g, bool) and g > 0,
+            "layer_group_sizes maps layer indices to group sizes (ints > 0)", "oscar_backend")
         self.options.layer_key_formats = resolve_layer_key_formats(self.options.layer_key_formats, artifacts)
         self.options.key_page_clips = resolve_key_page_clips(self.options.key_page_clips, artifacts)
         self.artifacts = artifacts

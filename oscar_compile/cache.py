@@ -213,8 +213,8 @@ class PagedInt2KVCache:
             pages, memory independent of the context; tokens leaving the ring are dropped, since no later
             query can see them. ``max_chunk``: most tokens one :meth:`store` call may write to such a layer
             (a longer prompt is prefilled in chunks); a larger call raises :class:`CacheCapacityError`.
-        key_format: ``"token"`` (the cache's default; the backend's is ``"channel"``): keys quantized per token in groups
-            of ``group_size`` channels, as values.
+        key_format: ``"token"`` (the cache's default; the backend's is ``"channel"``): keys quantized per token in
+            groups of ``group_size`` channels, as values.
             ``"channel"``: keys quantized per channel over each page's ``page_size`` tokens (one fp16 scale and
             minimum per channel and page: ``2 + 32 / page_size`` bits), KIVI's axis in the transformed basis,
             which keeps the keys' per-channel ranges and so the ranking of scores that retrieval depends on.

@@ -235,9 +235,9 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     tokens (the backend's key_format="channel", page_size=32; the default); "method:t": keys per token (the backend's
     key_format="token", pages of 16); "method:ka": keys per token in the layers the long-context check chose
     (the backend's layer_key_formats="auto"); "method:kr": per-channel keys over page ranges narrowed by the
-    ratios the long-context check chose (the backend's key_page_clips="auto"; the default keeps full ranges); "method:d" ("method:d0.5"): INT2 scores debiased
-    by 1 (0.5) times half their rounding noise's variance (the backend's score_debias). The last two come back as
-    each method's backend options."""
+    ratios the long-context check chose (the backend's key_page_clips="auto"; the default keeps full ranges);
+    "method:d" ("method:d0.5"): INT2 scores debiased by 1 (0.5) times half their rounding noise's variance (the
+    backend's score_debias). The key-format, range and debias tags come back as each method's backend options."""
     from .backend import DEFAULT_PAGE_SIZE
 
     base, seq_of, positions_of, bf16_layers, group_sizes = {}, {}, {}, {}, {}
@@ -245,8 +245,8 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     usage = ("':L<layer>' keeps a layer in BF16, ':p<tokens>' spreads the calibration rows, ':g<size>.<layers>' "
              "(e.g. g32.4-10.20) gives layers their own group size, ':c<tokens>' quantizes keys per channel over "
              "pages of that many tokens (the default: c32), ':t' per token, ':ka' per token in the layers the "
-             "long-context check chose, ':kr' per channel over the check's narrowed page ranges, and ':d' (':d<c>', c in (0, 4]) debiases INT2 scores (an oscar method only, "
-             "e.g. default:L0:p2048:g32.7:c32:d)")
+             "long-context check chose, ':kr' per channel over the check's narrowed page ranges, and ':d' "
+             "(':d<c>', c in (0, 4]) debiases INT2 scores (an oscar method only, e.g. default:L0:p2048:g32.7:c32:d)")
     for n in names:
         head, *tags = n.split(":")
         base[n], _, seq = head.partition("@")
@@ -272,7 +272,7 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         if (len(layer_tags) + len(position_tags) + len(group_tags) + len(channel_tags) + len(debias_tags)
                 + len(auto_tags) + len(range_tags) != len(tags)
                 or len(position_tags) > 1 or len(channel_tags) > 1 or len(debias_tags) > 1 or len(auto_tags) > 1
-                or len(range_tags) > 1 or (auto_tags and channel_tags == ["t"]) or (range_tags and channel_tags == ["t"])
+                or len(range_tags) > 1 or ((auto_tags or range_tags) and channel_tags == ["t"])
                 or (tags and base[n] in ("bf16", "kivi"))):
             raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, {usage}")
         try:
@@ -422,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--key-format", default="channel", choices=["token", "channel"],
                      help="channel (the backend's default): keys quantized per channel over each page's tokens "
                           "(2 + 32/page bits); token: per token in groups of channels, as values")
-    mem.add_argument("--page-size", type=int, default=None, help="tokens a page (default: 32 per channel, 16 per token)")
+    mem.add_argument("--page-size", type=int, default=None,
+                     help="tokens a page (default: 32 per channel, 16 per token)")
     mem.add_argument("--group-size", type=int, default=None)
     mem.set_defaults(func=_memory)
 

@@ -12,6 +12,7 @@ Argument meanings are in :mod:`oscar_compile.kernels.store` and :mod:`oscar_comp
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -159,6 +160,7 @@ class ReferenceUnderCaptureError(RuntimeError):
     """The reference ops (host-synchronizing) were reached while a CUDA graph was being captured."""
 
 
+log = logging.getLogger("oscar_compile")
 _FALLBACKS_REPORTED: set = set()
 
 
@@ -175,9 +177,7 @@ def _reference_on_cuda(op: str, head_dim: int, num_groups: int, channel_page: in
             "in a CUDA graph; compile without mode='reduce-overhead', or choose a shape the Triton kernels take")
     if (op, why) not in _FALLBACKS_REPORTED:
         _FALLBACKS_REPORTED.add((op, why))
-        import logging
-
-        logging.getLogger("oscar_compile").warning(
+        log.warning(
             "oscar::%s on CUDA: %s is not taken by the Triton kernels; the reference ops serve it (slower, "
             "synchronizes with the host every call)", op, why)
 
@@ -193,9 +193,7 @@ def _register_triton_kernels() -> bool:
         from .kernels.triton_attention import attention_triton
         from .kernels.triton_store import store_triton
     except Exception as e:  # no usable Triton: the reference serves CUDA too
-        import logging
-
-        logging.getLogger("oscar_compile").warning("oscar: Triton kernels unavailable (%s); using the reference ops", e)
+        log.warning("oscar: Triton kernels unavailable (%s); using the reference ops", e)
         return False
 
     # OSCAR_TRITON_STORE=0 stores through the reference on CUDA (the oracle; it syncs with the host, so

@@ -11,6 +11,7 @@ from oscar_compile.quant import (
     identity_matrix,
     pack_int2,
     quantize_int2,
+    quantize_int2_channels,
     unpack_int2,
 )
 
@@ -120,3 +121,20 @@ def test_bad_inputs_raise_clear_errors():
     codes, scale, mn = quantize_int2(torch.randn(2, 64), 32)
     with pytest.raises(ValueError, match="d/g"):
         dequantize_int2(codes, scale, mn, 16)
+
+
+def test_page_range_ratio_narrows_each_channel_about_its_midpoint():
+    """``key_page_clip`` r: each channel's page scale is r times the full range's, its range centred where the full
+    one is, and the tokens outside it take the end codes (the reference; tests/kernels/test_triton_key_channel.py
+    checks the Triton store against it with every clip ratio 0.9)."""
+    x = torch.randn(3, 2, 16, 64, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 4, 64)
+    codes1, s1, m1 = quantize_int2_channels(x, torch.float32)
+    codes, s, m = quantize_int2_channels(x, torch.float32, clip_ratio=0.8)
+    torch.testing.assert_close(s, 0.8 * s1, rtol=1e-6, atol=0)
+    torch.testing.assert_close(m + 1.5 * s, m1 + 1.5 * s1, rtol=1e-5, atol=1e-6)  # same midpoint
+    mx = x.amax(dim=-2, keepdim=True)
+    top = unpack_int2(codes)[x == mx]  # each channel's largest token lies past the narrowed range: the top code
+    assert (top == 3).all() and not torch.equal(codes, codes1)
+    with pytest.raises(ValueError, match="clip_ratio"):
+        quantize_int2_channels(x, clip_ratio=0.0)
+

@@ -125,19 +125,34 @@ def key_output_error(probs, q, k, v, tr: LayerTransforms, clip: float, group_siz
     A logit error matters by its size in nats, not relative to the logits: a layer with large, peaked logits
     loses its attention pattern to a relative logit error that is harmless elsewhere (Qwen2.5-Coder-0.5B's layer
     0: 0.25 relative RMS logit error like its other layers, but ~1.0 relative output error at 2K)."""
+    return key_output_errors(probs, q, k, v, tr, [(key_page, clip)], group_size, skip, window)[0]
+
+
+def key_output_errors(probs, q, k, v, tr: LayerTransforms, formats, group_size=None, skip: int = 0,
+                      window: int = 0) -> list[float]:
+    """:func:`key_output_error` for each ``(key_page, clip)`` of ``formats``: the transformed queries and keys, the
+    exact scores of the ring and the masks are computed once for all of them."""
     b, hq, t, d = q.shape
     h = k.shape[1]
     kt = torch.einsum("bhtd,hde->bhte", k.float() - tr.key_mean[None, :, None], tr.key_transform)
     qt = torch.einsum("bhgtd,hde->bhgte", q.float().reshape(b, h, hq // h, t, d), tr.query_transform)
-    kq = round_trip_pages(kt, key_page, skip, clip) if key_page else round_trip(kt, clip, group_size)
-    if skip:
-        kq[:, :, :skip] = kt[:, :, :skip]  # sink tokens stay in BF16
-    # q'.k_hat' is q.k_hat less q.mu_k, the same for every key of a query: softmax ignores it
-    s = torch.einsum("bhgtd,bhjd->bhgtj", qt, kq) * d**-0.5
-    if window:  # each query's last `window` keys are exact too (the ring)
-        s = torch.where(_int2_pairs(t, skip, window, q.device), s, torch.einsum("bhgtd,bhjd->bhgtj", qt, kt) * d**-0.5)
-    p_hat = torch.softmax(s.masked_fill(~_causal(t, 0, q.device), float("-inf")), dim=-1)
-    return float(torch.einsum("bhgtj,bhjd->bhgtd", p_hat - probs, v.float()).square().sum())
+    # each query's last `window` keys are exact too (the ring)
+    ring = (~_int2_pairs(t, skip, window, q.device), torch.einsum("bhgtd,bhjd->bhgtj", qt, kt) * d**-0.5) \
+        if window else None
+    future = ~_causal(t, 0, q.device)
+    vf = v.float()
+    out = []
+    for key_page, clip in formats:
+        kq = round_trip_pages(kt, key_page, skip, clip) if key_page else round_trip(kt, clip, group_size)
+        if skip:
+            kq[:, :, :skip] = kt[:, :, :skip]  # sink tokens stay in BF16
+        # q'.k_hat' is q.k_hat less q.mu_k, the same for every key of a query: softmax ignores it
+        s = torch.einsum("bhgtd,bhjd->bhgtj", qt, kq) * d**-0.5
+        if ring is not None:
+            s = torch.where(ring[0], ring[1], s)
+        p_hat = torch.softmax(s.masked_fill(future, float("-inf")), dim=-1)
+        out.append(float(torch.einsum("bhgtj,bhjd->bhgtd", p_hat - probs, vf).square().sum()))
+    return out
 
 
 def lower_medians(errors) -> list[float]:
@@ -161,8 +176,7 @@ def relative_errors(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_
     ke, ve, energy = [0.0] * len(formats), 0.0, 0.0
     for q, k, v in zip(heldout_q, heldout_k, heldout_v):
         probs = attention_probs(q, k)
-        for i, (page, clip) in enumerate(formats):
-            ke[i] += key_output_error(probs, q, k, v, tr, clip, group_size, skip, window, page)
+        ke = [a + e for a, e in zip(ke, key_output_errors(probs, q, k, v, tr, formats, group_size, skip, window))]
         ve += value_error(probs, v, tr, tr.value_clip, group_size, skip, window)
         energy += output_energy(probs, v)
     rel = [(e / max(energy, 1e-30)) ** 0.5 for e in (ke[0], ve, *ke[1:])]

@@ -385,7 +385,8 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
         k_sink.stride(0), k_sink.stride(1), k_sink.stride(2), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
         k_out.stride(0), k_out.stride(1), k_out.stride(2), kl, kf, vl, vf, geo.num_sinks, geo.window, geo.max_pages,
         geo.num_pages, h,
-        PS=geo.page_size, BLOCK_T=block_t, D=d, NG=geo.num_groups, K_CLIP=kc and not geo.key_channel, V_CLIP=vc, HAS_RING=geo.window > 0,
+        PS=geo.page_size, BLOCK_T=block_t, D=d, NG=geo.num_groups, K_CLIP=kc and not geo.key_channel, V_CLIP=vc,
+        HAS_RING=geo.window > 0,
         FRAG=fragment_order.in_fragment_order(k_codes), num_warps=warps, CHUNK_ONLY=geo.key_channel,
     )
     if geo.key_channel:
