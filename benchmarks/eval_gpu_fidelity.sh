@@ -11,6 +11,8 @@
 #   tokens (`default:c64`), 2K (256 x 64) and 8K (64 x 128), retrieval at 24 prompts a length.
 # ranges: per-channel keys with the check's page range ratios (`default:kr`) against full page ranges (`default`),
 #   2K (256 x 64) and 8K (64 x 128), retrieval at 24 prompts a length.
+# heldout: a model none of the method's choices were made on (Qwen2.5-Coder-0.5B): every baseline at 2K (128 x 64),
+#   the default and its page range option at 8K (32 x 128), the default at 32K (10 x 128), retrieval at each length.
 # Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU)
 # staged with `eval_gpu.sh stage` (see that script). The evals stop after LIMIT seconds (default 540, under the call's
 # 600) and what they measured is packed into OUT/results.tgz: a call brings back at most 8 files.
@@ -40,14 +42,14 @@ watcher=$!
 ALL=bf16,kivi,identity,hadamard,default
 short() {  # $1: model
   $E "$(gguf_of $1)" --model "$1" --ppl-contexts 2048 --ppl-sequences 256 --ppl-decode 64 --methods $ALL \
-     --retrieval-lengths 2048 --retrieval-samples 2 --out "$W" --name "eval_$1_h200_2k_256seq" > "$W/$1_2k.log" 2>&1
+     --retrieval-lengths 2048 --retrieval-samples 2 --out "$W" --name "eval_$1_${CARD}_2k_256seq" > "$W/$1_2k.log" 2>&1
   ls -d "${OSCAR_CACHE:-/tmp/oc}/artifacts/$1-"*"-32768-c"* > /dev/null 2>&1 || return 0  # p0 artifacts not staged
   $E "$(gguf_of $1)" --model "$1" --ppl-contexts 2048 --ppl-sequences 256 --ppl-decode 64 --methods bf16,default \
-     --calib-positions 0 --retrieval-lengths "" --out "$W" --name "eval_$1_h200_2k_256seq_p0" > "$W/$1_2k_p0.log" 2>&1
+     --calib-positions 0 --retrieval-lengths "" --out "$W" --name "eval_$1_${CARD}_2k_256seq_p0" > "$W/$1_2k_p0.log" 2>&1
 }
 long() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
   $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" --methods bf16,kivi,default \
-     --retrieval-lengths "$2" --retrieval-samples 2 --out "$W" --name "eval_$1_h200_$(($2 / 1024))k_${3}x$4" \
+     --retrieval-lengths "$2" --retrieval-samples 2 --out "$W" --name "eval_$1_${CARD}_$(($2 / 1024))k_${3}x$4" \
      > "$W/$1_$2.log" 2>&1
 }
 ranges() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
@@ -60,7 +62,16 @@ keys() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
      --methods bf16,default:t,default,default:c64 --retrieval-lengths "$2" --retrieval-samples 4 --out "$W" \
      --name "eval_$1_${CARD}_$(($2 / 1024))k_keys" > "$W/$1_$2_keys.log" 2>&1
 }
+heldout() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: methods
+  $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" --methods "$5" \
+     --retrieval-lengths "$2" --retrieval-samples 2 --out "$W" \
+     --name "eval_$1_${CARD}_$(($2 / 1024))k_heldout" > "$W/$1_$2_heldout.log" 2>&1
+}
 for m in $MODELS; do
+  case $1 in heldout)
+    heldout $m 2048 128 64 bf16,kivi,identity,hadamard,oscar,default,default:kr &
+    heldout $m 8192 32 128 bf16,kivi,default,default:kr & heldout $m 32768 10 128 bf16,default & ;;
+  esac
   case $1 in keys) keys $m 2048 256 64 & keys $m 8192 64 128 & ;; esac
   case $1 in ranges) ranges $m 2048 256 64 & ranges $m 8192 64 128 & ;; esac
   case $1 in

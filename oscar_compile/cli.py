@@ -117,8 +117,10 @@ def _eval(args) -> int:
                 label += f" keys per channel x{read_options[n]['page_size']}"
             if read_options[n].get("layer_key_formats") == "auto":
                 label += f" keys per token L{','.join(map(str, artifacts[n].token_key_layers)) or ' none'}"
-            if read_options[n].get("key_page_clips") == "auto":
+            if read_options[n].get("key_page_clips", "") == "auto":
                 label += " narrowed page ranges"
+            elif "key_page_clips" in read_options[n]:
+                label += " full page ranges"
             if read_options[n].get("score_debias"):
                 label += f" debias {read_options[n]['score_debias']:g}"
             options.update(read_options[n])
@@ -235,7 +237,8 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     tokens (the backend's key_format="channel", page_size=32; the default); "method:t": keys per token (the backend's
     key_format="token", pages of 16); "method:ka": keys per token in the layers the long-context check chose
     (the backend's layer_key_formats="auto"); "method:kr": per-channel keys over page ranges narrowed by the
-    ratios the long-context check chose (the backend's key_page_clips="auto"; the default keeps full ranges);
+    ratios the long-context check chose (the backend's key_page_clips="auto", the default since 2026-12-05);
+    "method:kf": per-channel keys over every channel's full range in a page (key_page_clips=None);
     "method:d" ("method:d0.5"): INT2 scores debiased by 1 (0.5) times half their rounding noise's variance (the
     backend's score_debias). The key-format, range and debias tags come back as each method's backend options."""
     from .backend import DEFAULT_PAGE_SIZE
@@ -245,7 +248,8 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     usage = ("':L<layer>' keeps a layer in BF16, ':p<tokens>' spreads the calibration rows, ':g<size>.<layers>' "
              "(e.g. g32.4-10.20) gives layers their own group size, ':c<tokens>' quantizes keys per channel over "
              "pages of that many tokens (the default: c32), ':t' per token, ':ka' per token in the layers the "
-             "long-context check chose, ':kr' per channel over the check's narrowed page ranges, and ':d' "
+             "long-context check chose, ':kr' per channel over the check's narrowed page ranges (the default), ':kf' "
+             "over full page ranges, and ':d' "
              "(':d<c>', c in (0, 4]) debiases INT2 scores (an oscar method only, e.g. default:L0:p2048:g32.7:c32:d)")
     for n in names:
         head, *tags = n.split(":")
@@ -257,10 +261,11 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         debias_tags = [t for t in tags if t.startswith("d") and _debias_value(t) is not None]
         channel_tags += [t for t in tags if t == "t"]  # a key format either way: at most one of c<tokens> and t
         auto_tags = [t for t in tags if t == "ka"]  # per-token keys in the check's token_key_layers
-        range_tags = [t for t in tags if t == "kr"]  # per-channel keys over the check's narrowed page ranges
+        # per-channel keys over the check's narrowed page ranges (the default) or over full ranges
+        range_tags = [t for t in tags if t in ("kr", "kf")]
         read_options[n] = {}
         if range_tags:
-            read_options[n]["key_page_clips"] = "auto"
+            read_options[n]["key_page_clips"] = "auto" if range_tags[0] == "kr" else None
         if auto_tags:
             read_options[n]["layer_key_formats"] = "auto"
         if channel_tags == ["t"]:

@@ -5,6 +5,8 @@ the ring that holds the page being filled, capacity, non-finite keys, the memory
 backend end to end.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -203,6 +205,7 @@ def test_backend_with_channel_keys_equals_the_ops_called_directly():
     from transformers import AttentionInterface
 
     from oscar_compile import oscar_backend
+    from oscar_compile.backend import BackendOptions, resolve_key_page_clips
     from oscar_compile.testing import hadamard_reference_cache, make_hf_cache, prefill_and_decode, reference_attention, tiny_model
 
     opts = dict(num_sinks=2, window=3, page_size=4)
@@ -251,7 +254,12 @@ def test_backend_with_channel_keys_equals_the_ops_called_directly():
     backend = oscar_backend(inductor=False, key_page_clips={0: 1.0, 1: 1.0}, **opts)
     full = prefill_and_decode(torch.compile(model, backend=backend), ids, make_hf_cache("oscar", model, 32, 2), 8)
     torch.testing.assert_close(full, runs["channel"], rtol=1e-6, atol=1e-6)
-    assert oscar_backend().options.key_page_clips == {} and oscar_backend(key_page_clips="auto").options.key_page_clips == {}
+    # the default is "auto": the artifact's ratios, none without an artifact (or with an unchecked one)
+    assert BackendOptions.key_page_clips == "auto" and oscar_backend().options.key_page_clips == {}
+    assert oscar_backend(key_page_clips=None).options.key_page_clips == {}
+    checked = SimpleNamespace(key_page_clips={0: 0.8, 1: 0.9})
+    assert resolve_key_page_clips(BackendOptions.key_page_clips, checked) == {0: 0.8, 1: 0.9}
+    assert resolve_key_page_clips(None, checked) == {}
     for bad in ({0: 0.0}, {0: 1.5}, {-1: 0.9}, {0: True}, "all", [0.9]):
         with pytest.raises(ValueError, match="key_page_clips"):
             oscar_backend(key_page_clips=bad)
