@@ -87,11 +87,13 @@ class BackendOptions:
     # them were rewritten; only for a model attached by oscar_compile.compile, which then refuses eager calls.
     release_dead_caches: bool = True
     # {layer: window} of sliding-window layers (keys limited to the last `window` positions): their storage is
-    # a BF16 ring of window + max_chunk - 1 tokens, no pages, bounded whatever the context. None: from the
+    # a BF16 ring of `window` tokens, no pages, bounded whatever the context (as a BF16 cache's). None: from the
     # artifact (recorded at calibration) or the config of a model attached by oscar_compile.compile; else every
     # layer gets INT2 pages (correct through the model's own sliding masks, but memory grows with the context).
     sliding_windows: dict | None = None
-    max_chunk: int = 4096  # most tokens one call writes to a sliding-window layer (prefill longer prompts in chunks)
+    # most tokens one call writes to a sliding-window layer (prefill longer prompts in chunks): bounds the chunk its
+    # store returns with the window before it (B x (window - 1 + max_chunk) tokens a layer, a temporary)
+    max_chunk: int = 4096
     # "ring": every sliding layer keeps its exact BF16 ring (at most the cache's length). "smallest": INT2 pages
     # instead where they take fewer bytes (a large window, a short cache); that quantizes half or more of what
     # those layers attend to, and cost Gemma 3 270M +15% perplexity at 2K tokens (+3% with rings).
@@ -526,12 +528,11 @@ RECOMPILE_LIMIT = 64  # graphs per compiled function that oscar_compile.compile 
 
 def _ring_is_smaller(o: BackendOptions, heads: int, d: int, dtype: torch.dtype, sliding: int, max_len: int,
                      group_size: int | None) -> bool:
-    """Whether a sliding-window layer's BF16 ring (``sliding + max_chunk - 1`` tokens) takes fewer bytes than
-    the storage the layer would otherwise get for ``max_len`` tokens (sinks, window and INT2 pages of the layer's
-    ``group_size``; all BF16 without quantization): a window of 4096 plus a chunk of 4096 costs as much as ~56K
-    tokens in INT2 at head_dim 128."""
+    """Whether a sliding-window layer's BF16 ring (``sliding`` tokens) takes fewer bytes than the storage the
+    layer would otherwise get for ``max_len`` tokens (sinks, window and INT2 pages of the layer's ``group_size``;
+    all BF16 without quantization): a window of 4096 costs as much as ~23K tokens in INT2 at head_dim 128."""
     group = group_size or d
-    ring = row_bytes(heads, d, min(sliding + o.max_chunk - 1, max_len), 0, group, dtype, o.meta_dtype)
+    ring = row_bytes(heads, d, min(sliding, max_len), 0, group, dtype, o.meta_dtype)
     if not o.quantize:
         return ring < row_bytes(heads, d, max_len, 0, group, dtype, o.meta_dtype)
     # the INT2 storage as the cache counts it (keys and values: its ring, whole pages for per-channel keys)

@@ -209,10 +209,13 @@ class PagedInt2KVCache:
         quantize: ``False`` keeps every token in the ring (BF16 in place of INT2; for checks).
         sliding_window: the layer attends to its last ``sliding_window`` positions only (a query at ``i``
             sees keys ``i - sliding_window < j <= i``, transformers' sliding-window layers). Its storage is
-            then a BF16 ring of ``sliding_window + max_chunk - 1`` tokens and nothing else: no sinks, no
-            pages, memory independent of the context; tokens leaving the ring are dropped, since no later
-            query can see them. ``max_chunk``: most tokens one :meth:`store` call may write to such a layer
-            (a longer prompt is prefilled in chunks); a larger call raises :class:`CacheCapacityError`.
+            then a BF16 ring of ``sliding_window`` tokens and nothing else: no sinks, no pages, memory
+            independent of the context and as small as a BF16 cache's; tokens leaving the ring are dropped,
+            since no later query can see them. A chunk's queries also see the window before the chunk, which
+            its write overwrites: :meth:`store` returns those tokens with the chunk, for :meth:`attention`.
+            ``max_chunk``: most tokens one :meth:`store` call may write to such a layer (it bounds that
+            returned chunk; a longer prompt is prefilled in chunks); a larger call raises
+            :class:`CacheCapacityError`.
         key_format: ``"token"`` (the cache's default; the backend's is ``"channel"``): keys quantized per token in
             groups of ``group_size`` channels, as values.
             ``"channel"``: keys quantized per channel over each page's ``page_size`` tokens (one fp16 scale and
@@ -270,8 +273,9 @@ class PagedInt2KVCache:
         if sliding_window is not None:
             if int(sliding_window) < 1 or int(max_chunk) < 1:
                 raise ValueError(f"oscar: sliding_window and max_chunk must be >= 1, got {sliding_window} and {max_chunk}")
-            # The ring holds the window before a chunk plus the chunk: whatever a query of the chunk can see.
-            num_sinks, window = 0, min(int(sliding_window) + int(max_chunk) - 1, max_seq_len)
+            # The ring holds the window (a decode step's keys); a chunk's queries get the window before the chunk
+            # from store, which reads it before the chunk's write (kernels/sliding.py)
+            num_sinks, window = 0, min(int(sliding_window), max_seq_len)
         elif not quantize:
             window = max(window, max_seq_len)  # every token stays in the BF16 ring: nothing is evicted
         if not 0.0 <= float(score_debias) <= 4.0:
@@ -408,12 +412,14 @@ class PagedInt2KVCache:
         """Write ``k, v [B, kv_heads, T, d]`` at ``positions [T] or [B, T]`` (negative = padding).
 
         Returns the transformed chunk ``(k', v') [B, T, kv_heads, d]``; pass it to :meth:`attention`
-        as ``chunk=(k', v', positions)`` so the chunk attends to itself exactly.
+        as ``chunk=(k', v', positions)`` so the chunk attends to itself exactly. A sliding-window layer returns a
+        chunk of more than one token with the ``sliding_window - 1`` tokens before it (``[B, W - 1 + T, ...]``):
+        the write overwrote them in the ring, and the chunk's queries see them.
         """
         if self.sliding_window and positions.shape[-1] > self.max_chunk:
             raise CacheCapacityError(
                 f"oscar: a sliding-window layer of this cache takes at most max_chunk={self.max_chunk} new tokens a "
-                f"call (its ring holds the window of {self.sliding_window} before them), got {positions.shape[-1]}: "
+                f"call (it returns them with the window of {self.sliding_window} before them), got {positions.shape[-1]}: "
                 "prefill longer prompts in chunks, or make the cache with a larger max_chunk")
         return ops.store(*self.store_args(layer, k, v, positions))
 

@@ -45,8 +45,8 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
                      cache_dtype=torch.bfloat16) -> float:
     """Effective bits per K/V element of one sequence of ``context`` tokens, metadata and BF16 tokens included,
     over every layer. Sliding-window layers hold fewer tokens than the context: ``min(window, context)`` in
-    BF16 (transformers' own sliding layers) and, for the oscar methods, their BF16 ring of
-    ``window + max_chunk - 1`` tokens (the default ``sliding_storage="ring"``)."""
+    BF16, transformers' own sliding layers and the oscar methods' BF16 rings alike (the default
+    ``sliding_storage="ring"``)."""
     from .backend import BackendOptions, resolve_layer_key_formats, resolve_page_size
     from .hf import sliding_windows
 
@@ -65,8 +65,7 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
         return cache.memory_report(context).bits_per_element
 
     full = fp_bits if method.kind == "bf16" else int2_bits(method.options.get("group_size"))
-    ring_extra = 0 if method.kind == "bf16" else method.options.get("max_chunk", BackendOptions.max_chunk) - 1
-    sliding_bits = sum(fp_bits * min(w + ring_extra, context) / context for w in slides.values())
+    sliding_bits = sum(fp_bits * min(w, context) / context for w in slides.values())
     # full layers kept in BF16 (the backend's bf16_layers) hold every token in 16 bits
     kept = method.options.get("bf16_layers")
     if kept is None:  # the backend's default: the artifact's (its long-context check)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .kernels.attention import attention_reference
 from .kernels.checks import channel_pages_supported, check_attention, check_store, is_channel_key_meta
+from .kernels.sliding import history_len
 from .kernels.store import store_reference
 
 CACHE_ARG_NAMES = ("k_codes", "k_meta", "v_codes", "v_meta", "k_sink", "v_sink", "k_ring", "v_ring", "block_table")
@@ -59,8 +60,10 @@ def _store_fake(
     key_transform, key_mean, value_transform, value_mean, key_clip, value_clip,
 ):
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
-    check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip)
+    geo = check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip,
+                      value_clip)
     b, h, t, d = k.shape
+    t = t + history_len(geo.drops_evicted, geo.window, t)  # a chunk with the window before it (kernels/sliding.py)
     return k.new_empty((b, t, h, d), dtype=k_sink.dtype), v.new_empty((b, t, h, d), dtype=v_sink.dtype)
 
 

@@ -155,7 +155,7 @@ def test_bits_and_report(tmp_path):
     assert math.isclose(mixed, (default * (layers - 1) + token_at_32) / layers, rel_tol=1e-6) and default < mixed
     both = Method("x", options={"layer_group_sizes": {0: 4}, "bf16_layers": (0,), **tok})
     assert math.isclose(bits_per_element(model.config, both, 1 << 17, 64, 256), one_dense)
-    # a sliding layer holds its window (BF16) or its ring (oscar: window 8 + max_chunk 100 - 1 tokens in BF16)
+    # a sliding layer holds its window in BF16, in transformers' cache and in oscar's ring alike (whatever max_chunk)
     cfg = tiny_model("gemma3").config
     full, sliding = len(cfg.layer_types) - 1, 1
     assert cfg.layer_types.count("sliding_attention") == sliding and cfg.sliding_window == 8
@@ -165,7 +165,8 @@ def test_bits_and_report(tmp_path):
     dense = copy.deepcopy(cfg)
     dense.sliding_window = None  # every layer full: INT2 pages with sinks and window
     full_bits = bits_per_element(dense, Method("x"), 1000, 64, 256)
-    assert math.isclose(ours, (full_bits * full + 16 * 107 / 1000) / (full + sliding))
+    assert math.isclose(ours, (full_bits * full + 16 * 8 / 1000) / (full + sliding))
+    assert math.isclose(bits_per_element(cfg, Method("x"), 1000, 64, 256), ours)
     report = {"config": {}, "perplexity": [
         {"method": "bf16", "context": 512, "ppl": 10.0, "nll": 2.3, "bits_per_element": 16.0},
         {"method": "oscar", "context": 512, "ppl": 10.5, "nll": 2.35, "bits_per_element": 2.3}],
@@ -217,14 +218,15 @@ def _quantize_off_vs_eager(device, dtype, window, max_chunk, chunk, context, ste
 
 
 def test_gemma3_geometry_quantize_off_equals_eager_past_the_ring():
-    # ring = 32 + 16 - 1 = 47 tokens; 100-token prompt in chunks of 16, then 20 steps: fp32, reference ops
+    # a ring of the window (32 tokens); 100-token prompt in chunks of 16 (each with the 31 tokens before it from the
+    # store), then 20 steps: fp32, reference ops
     assert _quantize_off_vs_eager("cpu", torch.float32, window=32, max_chunk=16, chunk=16, context=100, steps=20) < 1e-4
 
 
 @pytest.mark.gpu
 def test_gemma3_geometry_quantize_off_equals_eager_past_the_ring_gpu():
-    # Gemma 3 270M's window (512) and the default max_chunk (ring 4607 tokens), a 6000-token prompt in chunks of
-    # 2000, Triton kernels in bf16. bf16 logits of two different computations: 3e-2. (The H200 eval of the real
+    # Gemma 3 270M's window (512, the ring), a 6000-token prompt in chunks of 2000 (each with the 511 tokens before
+    # it), Triton kernels in bf16. bf16 logits of two different computations: 3e-2. (The H200 eval of the real
     # model gave BF16 perplexity 1225 at 8K where the CPU gives ~40: this is the check that localises it.)
     assert _quantize_off_vs_eager("cuda", torch.bfloat16, window=512, max_chunk=4096, chunk=2000, context=6000,
                                   steps=16) < 3e-2

@@ -291,7 +291,8 @@ def test_cuda_gives_what_the_cpu_gives_for_channel_keys(page, tol):
 
 def test_smallest_sliding_storage_counts_channel_key_bytes():
     """``sliding_storage="smallest"`` compares a sliding layer's ring with the INT2 storage it would otherwise get:
-    with per-channel keys that is whole pages, a ring longer by a page, and one scale and minimum per channel."""
+    with per-channel keys that is whole pages, a ring longer by a page, and one scale and minimum per channel. The
+    sliding ring is its window (512 here), whatever ``max_chunk``."""
     from oscar_compile.backend import BackendOptions, _ring_is_smaller
     from oscar_compile.cache import row_bytes
 
@@ -300,5 +301,8 @@ def test_smallest_sliding_storage_counts_channel_key_bytes():
     for max_len in (2048, 8192, 32768, 131072):
         cache = PagedInt2KVCache(1, h, d, max_seq_len=max_len, page_size=32, key_format="channel", device="meta")
         int2 = cache.memory_report(max_len).int2_bytes  # keys and values of one row, as the cache counts them
-        ring = 2 * row_bytes(h, d, min(512 + 4095, max_len), 0, d, bf, torch.float16)
+        ring = 2 * row_bytes(h, d, min(512, max_len), 0, d, bf, torch.float16)
         assert _ring_is_smaller(o, h, d, bf, 512, max_len, None) == (ring < int2)
+        assert _ring_is_smaller(o, h, d, bf, 512, max_len, None)  # 512 BF16 tokens against 64 + 256 + INT2 pages
+    # a window of 4096 against 2K tokens of INT2 (the ring is capped at the cache's length: BF16 throughout)
+    assert not _ring_is_smaller(o, h, d, bf, 4096, 2048, None)

@@ -17,7 +17,9 @@ Semantics, per sequence row ``b``:
   ``S <= j < min(L_b - W, first chunk position)`` is not visible (a sliding-window layer's storage).
 * ``k_chunk, v_chunk`` (optional, ``[B, T', H, d]``, what ``store`` returned) hold the newest tokens
   at ``chunk_positions`` exactly: those keys are read from them, not from the (maybe quantized)
-  cache, so a prefill chunk attends to itself in full precision.
+  cache, so a prefill chunk attends to itself in full precision. From a cache without pages a chunk of
+  more than one token comes with the ring's tokens before it (``T' = R - 1 + T``, :mod:`.sliding`), which
+  its write overwrote: they are read from the chunk too.
 * ``debias`` (``c``, 0 = off): an INT2 key's score is lowered by ``c var / 2``, ``var = scale^2 sum_c (q'_c
   step_c)^2 / 12`` (``step``: the key's quantization step in channel ``c``), the variance of its rounding error
   (uniform over a step). That error inflates ``exp(s)`` by ``exp(var / 2)`` on average, so without the correction
@@ -33,6 +35,7 @@ import torch
 from ..quant import dequantize_codes
 from . import fragment_order
 from .checks import CacheGeometry, check_attention
+from .sliding import positions_with_history
 
 # Queries per chunk in the reference: bounds the [heads, chunk, L] score buffer for long prefills.
 _QUERY_CHUNK = 256
@@ -140,7 +143,7 @@ def attention_reference(
         keys, key_steps = keys
     values = gather_history(geo, v_codes, v_meta, v_sink, v_ring, block_table, lengths, max_len, "v")
     if k_chunk is not None:
-        cpos = chunk_positions.long().expand(b, k_chunk.shape[1]) if chunk_positions.dim() == 1 else chunk_positions.long()
+        cpos = positions_with_history(chunk_positions.long(), b, k_chunk.shape[1])
         for row in range(b):
             sel = (cpos[row] >= 0) & (cpos[row] < lengths[row])
             keys[row, cpos[row][sel]] = k_chunk[row][sel].float()

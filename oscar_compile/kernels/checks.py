@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .sliding import history_len
+
 
 @dataclass(frozen=True)
 class CacheGeometry:
@@ -235,5 +237,11 @@ def check_attention(q, positions, seq_lens, cache_tensors, query_transform, outp
                 tuple(k_chunk.shape[2:]) != (geo.num_kv_heads, geo.head_dim):
             _fail(f"k_chunk/v_chunk must be [{b}, T, {geo.num_kv_heads}, {geo.head_dim}], got "
                   f"{tuple(k_chunk.shape)} and {tuple(v_chunk.shape)}")
-        check_positions(chunk_positions, b, k_chunk.shape[1])
+        tc = chunk_positions.shape[-1]  # a chunk stored by a cache without pages comes with the window before it
+        check_positions(chunk_positions, b, tc)
+        want = tc + history_len(geo.drops_evicted, geo.window, tc)
+        if k_chunk.shape[1] != want:
+            _fail(f"k_chunk/v_chunk hold {k_chunk.shape[1]} tokens for {tc} chunk positions, expected {want}: pass "
+                  "what store returned (a cache without pages returns a chunk of more than one token with the "
+                  f"{want - tc} ring tokens before it, which its write overwrote)")
     return geo

@@ -20,6 +20,7 @@ Semantics (DESIGN.md section 3), per sequence row ``b``; ``S`` sinks, ``W`` wind
   consecutive and continue that row's history (as every KV cache writes them).
 * A cache with no pages (block table of width 0) drops a token that leaves the ring instead of
   quantizing it: the storage of a sliding-window layer whose window fits the ring (DESIGN.md section 3).
+  Of a chunk longer than the ring only the newest ring-length tokens stay.
 * Capacity: a position past what the row can hold (``num_sinks + window + max_pages * page_size``),
   or one whose page the row does not own, raises :class:`CacheCapacityError` before any row of the
   batch is written. (Compiled models check on the host before the graph runs, see
@@ -31,7 +32,9 @@ Semantics (DESIGN.md section 3), per sequence row ``b``; ``S`` sinks, ``W`` wind
 * Returns the transformed chunk ``(k', v')`` as ``[B, T, H, d]`` in the cache dtype: attention over
   the same tokens uses it for the chunk's own keys (the new chunk attends to itself exactly, as in
   serving systems; only history is read through the quantized cache). It is also the data
-  dependency that orders the write before the read.
+  dependency that orders the write before the read. A cache with no pages returns a chunk of more than one
+  token with the ring's tokens before it (``[B, R - 1 + T, H, d]``, :mod:`.sliding`), read before the write
+  overwrites them: its queries see them, and attention finds them there.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import torch
 from ..quant import quantize_int2, quantize_int2_channels
 from . import fragment_order
 from .checks import CacheGeometry, check_store
+from .sliding import chunk_with_history, history_len
 
 
 class CacheCapacityError(RuntimeError):
@@ -137,7 +141,7 @@ def _store_side(geo, x_t, spans, codes, meta, sink, ring, block_table, clip, kin
             rows = torch.cat([ring[b, old % ring_len].float(), x[in_page].float()]) if ring_len else x[in_page].float()
             _write_pages(geo, codes, meta, block_table, b, torch.arange(lo, hi, device=p.device), rows, clip, kind)
         in_sink = p < s
-        in_ring = (p >= s) & ~in_page
+        in_ring = (p >= s) & ~in_page & (p >= new_len - ring_len)  # a chunk longer than the ring keeps its newest
         sink[b, p[in_sink]] = x[in_sink]
         if ring_len > 0:
             ring[b, p[in_ring] % ring_len] = x[in_ring]
@@ -172,6 +176,8 @@ def store_reference(
     vt = transform_rows(v, value_transform, value_mean)
     spans = _row_spans(geo, pos, block_table)  # validates everything before the first write
     kt, vt = kt.to(k_sink.dtype).contiguous(), vt.to(v_sink.dtype).contiguous()  # fake returns contiguous
+    # a cache without pages returns the window before the chunk with it, read before the chunk overwrites it
+    out = chunk_with_history(pos, kt, vt, k_sink, v_sink, k_ring, v_ring, history_len(geo.drops_evicted, geo.window, t))
     _store_side(geo, kt, spans, k_codes, k_meta, k_sink, k_ring, block_table, key_clip, "k")
     _store_side(geo, vt, spans, v_codes, v_meta, v_sink, v_ring, block_table, value_clip, "v")
-    return kt, vt
+    return out

@@ -53,6 +53,7 @@ import triton.language as tl
 
 from . import fragment_order
 from .checks import channel_pages_supported, check_attention
+from .sliding import positions_with_history
 from .triton_store import whole_pages_len
 
 log = logging.getLogger("oscar_compile.kernels")
@@ -1277,7 +1278,7 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
                  for t0, p in tiles]
     LAST_LAUNCH["plan"] = tiles[0][1]
     if has_chunk:
-        cpos = chunk_positions.expand(b, chunk_len) if chunk_positions.dim() == 1 else chunk_positions
+        cpos = positions_with_history(chunk_positions, b, chunk_len)  # with the window before it (no pages)
         c0 = torch.where(cpos >= 0, cpos, torch.iinfo(cpos.dtype).max).amin(-1)
         c_end = cpos.amax(-1) + 1
         kch, vch = k_chunk, v_chunk

@@ -264,7 +264,7 @@ def _admit(check: WriteCheck, args) -> tuple[int, HostCounter | None]:
     if getattr(storage, "sliding_window", None) and t > storage.max_chunk:
         raise CacheCapacityError(
             f"oscar: {check.slot}: a sliding-window layer takes at most max_chunk={storage.max_chunk} new tokens a call "
-            f"(its storage is a ring of its window of {storage.sliding_window} plus one chunk), got {t}. Nothing was "
+            f"(its store returns them with the window of {storage.sliding_window} before them), got {t}. Nothing was "
             "written; prefill long prompts in chunks (generate(..., prefill_chunk_size=N) in transformers), or "
             "compile with a larger oscar_backend(max_chunk=...)."
         )

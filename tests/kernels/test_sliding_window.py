@@ -56,13 +56,42 @@ def _run(store_fn, attn_fn, window, chunks, lengths, tol, seed=0, h=2, gqa=2, d=
     return cache
 
 
-def test_sliding_layer_reference_matches_full_history_attention():
-    # prompt chunks of 5 with a window of 7, then decoding far past the window (lengths 40 and 29)
-    _run(store_reference, attention_reference, window=7, chunks=5, lengths=(40, 29), tol=1e-5)
+@pytest.mark.parametrize("window, chunks", [(7, 5), (5, 12), (6, 6)])
+def test_sliding_layer_reference_matches_full_history_attention(window, chunks):
+    # prompt chunks shorter than, longer than and as long as the window (the ring holds the window only: a chunk's
+    # write overwrites what its first queries see, which store returns with the chunk), then decoding far past the
+    # window (lengths 40 and 29: a first chunk with no history, a second whose history starts mid-ring)
+    _run(store_reference, attention_reference, window=window, chunks=chunks, lengths=(40, 29), tol=1e-5)
 
 
-def test_sliding_layer_triton_kernels_match_full_history_attention():
-    _run(store_triton, attention_triton, window=6, chunks=4, lengths=(23, 17), tol=5e-3, seed=1)
+# (6, 14): a second prompt chunk of 14 with 5 tokens of history (19 chunk rows)
+@pytest.mark.parametrize("window, chunks, lengths", [(6, 4, (23, 17)), (4, 9, (27, 22)), (6, 14, (60, 56))])
+def test_sliding_layer_triton_kernels_match_full_history_attention(window, chunks, lengths):
+    _run(store_triton, attention_triton, window=window, chunks=chunks, lengths=lengths, tol=5e-3, seed=1)
+
+
+def test_sliding_layer_store_returns_the_window_before_a_chunk():
+    # a ring of the window only; a chunk of T > 1 comes back as [B, W - 1 + T, H, d]: each row's stored tokens
+    # before it (as many as exist), the chunk, then padding, so its first real position sits at entry 0
+    from oscar_compile.kernels.sliding import positions_with_history
+
+    gen = torch.Generator().manual_seed(5)
+    cache = PagedInt2KVCache(1, 1, 8, max_batch_size=2, max_seq_len=64, sliding_window=4, max_chunk=8,
+                             dtype=torch.float32, identity_block_table=True)
+    assert cache.window == 4 and cache.layers[0].k_ring.shape[1] == 4
+    k = torch.randn(2, 1, 10, 8, generator=gen)
+    cache.store(0, k[:, :, :2], k[:, :, :2], torch.arange(2))  # rows at 0, 1
+    pos = torch.tensor([[2, 3, 4], [2, 3, -1]])  # the second row is one token shorter
+    kt, _ = cache.store(0, k[:, :, 2:5], k[:, :, 2:5], pos)
+    assert kt.shape == (2, 3 + 3, 1, 8)
+    want_pos = torch.tensor([[0, 1, 2, 3, 4, -1], [0, 1, 2, 3, -1, -1]])
+    assert torch.equal(positions_with_history(pos, 2, 6), want_pos)
+    for b in range(2):
+        for i, p in enumerate(want_pos[b].tolist()):
+            if p >= 0:
+                torch.testing.assert_close(kt[b, i, 0], k[b, 0, p])  # identity transforms, fp32: exact
+    one, _ = cache.store(0, k[:1, :, 5:6], k[:1, :, 5:6], torch.tensor([5]))  # a decode step: no history
+    assert one.shape == (1, 1, 1, 8)
 
 
 @pytest.mark.gpu
@@ -71,6 +100,9 @@ def test_sliding_layer_triton_kernels_at_model_shapes_gpu():
     # different lengths decoding ~900 steps past it. bf16 inputs round keys/values (2^-8 relative): 2e-2.
     _run(store_triton, attention_triton, window=300, chunks=256, lengths=(1500, 1100), tol=2e-2, seed=2,
          h=8, gqa=4, d=128, dtype=torch.bfloat16)
+    # Gemma 3's window (512) under a 2000-token prompt chunk, head_dim 256, GQA 4 (the chunk 4x the ring)
+    _run(store_triton, attention_triton, window=512, chunks=2000, lengths=(4200, 2900), tol=2e-2, seed=3,
+         h=1, gqa=4, d=256, dtype=torch.bfloat16)
 
 
 def test_sliding_layer_memory_does_not_grow_with_context():
@@ -80,6 +112,9 @@ def test_sliding_layer_memory_does_not_grow_with_context():
     assert nbytes(4096) == nbytes(131072)
     full = PagedInt2KVCache(1, 2, 64, max_batch_size=2, max_seq_len=131072, identity_block_table=True).nbytes
     assert nbytes(131072) < full / 5
+    # the ring is the window: as many BF16 bytes as a BF16 cache's sliding layer (k and v, 2 rows x 2 heads x 64)
+    ring = 2 * 2 * 512 * 2 * 64 * 2
+    assert ring <= nbytes(4096) < 1.1 * ring
 
 
 def test_sliding_layer_refuses_a_call_longer_than_its_chunk():

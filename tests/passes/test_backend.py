@@ -237,8 +237,9 @@ def test_sliding_windows_read_from_the_config_as_transformers_does(family):
 
 @pytest.mark.parametrize("family", ["mistral-window", "gemma3"])
 def test_sliding_window_layers_get_storage_bounded_by_their_window(family):
-    # an attached model's sliding layers: a BF16 ring of window + max_chunk - 1 tokens and no pages (smaller than
-    # INT2 pages for a cache of 512), so they stay exact; quantize-off equals eager, and INT2 equals eager wherever
+    # an attached model's sliding layers: a BF16 ring of their window and no pages (smaller than INT2 pages for a
+    # cache of 512; a prefill chunk of up to max_chunk = 16 tokens, twice the window, gets the window before it
+    # from the store), so they stay exact; quantize-off equals eager, and INT2 equals eager wherever
     # every layer slides (mistral-window)
     from oscar_compile.hf import sliding_windows
 
@@ -254,7 +255,7 @@ def test_sliding_window_layers_get_storage_bounded_by_their_window(family):
         backend = model.oscar_backend
         rings = {key[0][1]: c for key, c in backend.storage.items() if c.sliding_window}
         assert set(rings) == set(windows)
-        assert all(c.max_pages == 0 and c.num_sinks == 0 and c.window == 8 + 16 - 1 for c in rings.values())
+        assert all(c.max_pages == 0 and c.num_sinks == 0 and c.window == 8 for c in rings.values())
         if not quantize or len(windows) == model.config.num_hidden_layers:
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
         else:  # the prefill attends to itself exactly; decode reads the full layer's INT2 pages
@@ -278,14 +279,14 @@ def test_artifact_carries_sliding_windows_to_a_backend_without_the_model(tmp_pat
     prefill_and_decode(torch.compile(model, backend=backend), _ids(2, 13), make_hf_cache("oscar", model, 512, 2), 3)
     rings = {key[0][1] for key, c in backend.storage.items() if c.sliding_window == 8 and c.max_pages == 0}
     assert rings == {0} and any(c.max_pages > 0 for c in backend.storage.values())
-    # a cache of 32 tokens: by default the ring still (23 tokens, exact); with sliding_storage="smallest" INT2 pages
-    # for the whole cache (5 of 32 tokens BF16) are smaller, and the layer keeps pages
+    # a cache of 8 tokens: by default the ring still (8 tokens, exact); with sliding_storage="smallest" INT2 pages
+    # for the whole cache (1 of 8 tokens BF16, keys per token) are smaller, and the layer keeps pages
     for storage, ring in (("ring", True), ("smallest", False)):
         torch._dynamo.reset()
-        backend = oscar_backend(artifacts, inductor=False, max_chunk=16, num_sinks=2, window=3, page_size=4,
-                                sliding_storage=storage)
-        prefill_and_decode(torch.compile(model, backend=backend), _ids(2, 13), make_hf_cache("oscar", model, 32, 2), 3)
-        assert any(c.sliding_window == 8 and c.window == 23 for c in backend.storage.values()) == ring
+        backend = oscar_backend(artifacts, inductor=False, max_chunk=16, num_sinks=0, window=1, page_size=4,
+                                key_format="token", sliding_storage=storage)
+        prefill_and_decode(torch.compile(model, backend=backend), _ids(2, 5), make_hf_cache("oscar", model, 8, 2), 3)
+        assert any(c.sliding_window == 8 and c.window == 8 for c in backend.storage.values()) == ring
     with pytest.raises(ValueError, match="sliding_storage"):
         oscar_backend(sliding_storage="pages")
 
