@@ -12,7 +12,7 @@ import torch
 from oscar_compile import CacheCapacityError, PagedInt2KVCache
 from oscar_compile.kernels.attention import attention_reference
 from oscar_compile.kernels.store import store_reference
-from oscar_compile.kernels.triton_attention import attention_triton
+from oscar_compile.kernels.triton_attention import LAST_LAUNCH, attention_triton
 from oscar_compile.kernels.triton_store import store_triton
 from oscar_compile.testing import rel_error
 
@@ -68,6 +68,23 @@ def test_sliding_layer_reference_matches_full_history_attention(window, chunks):
 @pytest.mark.parametrize("window, chunks, lengths", [(6, 4, (23, 17)), (4, 9, (27, 22)), (6, 14, (60, 56))])
 def test_sliding_layer_triton_kernels_match_full_history_attention(window, chunks, lengths):
     _run(store_triton, attention_triton, window=window, chunks=chunks, lengths=lengths, tol=5e-3, seed=1)
+
+
+def test_sliding_layer_chunk_launch_reads_the_window_before_the_chunk():
+    # The chunk's own flash launch, which the GPU's plan gives a 16-bit chunk of 16 or more rows, forced for the
+    # prompt chunks (14 tokens, the second with 5 of history) in fp16. (Forced on decode steps as well, it crashes the
+    # interpreter for this ring-only cache, also before this storage: decode takes the ring path instead.)
+    dense = []
+
+    def attn(*args, **kwargs):
+        prompt = args[0].shape[2] > 1
+        out = attention_triton(*args, **kwargs, dense_chunk=True if prompt else None)
+        if prompt:
+            dense.append((args[0].shape[2], LAST_LAUNCH["plan"].nc))
+        return out
+
+    _run(store_triton, attn, window=6, chunks=14, lengths=(60, 56), tol=5e-3, seed=4, dtype=torch.float16)
+    assert dense == [(14, 1), (14, 1)] and LAST_LAUNCH["chunk_from_ring"]  # the last call: a decode step
 
 
 def test_sliding_layer_store_returns_the_window_before_a_chunk():
