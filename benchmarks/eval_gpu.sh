@@ -12,6 +12,7 @@
 # ones calibrated elsewhere, so the GPU evaluates the same rotations as the CPU) into the cache, and runs
 # `python -m oscar_compile eval --device cuda`. Run one `run` (or `py NAME -c pass`) per model first, then evals of
 # different models may run side by side (the same model's may not: they would convert its GGUF at once).
+# `python3 benchmarks/pack_for_gpu.py MODEL...` makes the folders to stage (build/stage/NN) and prints their calls.
 set -e
 export OSCAR_CACHE=${OSCAR_CACHE:-/tmp/oc} PYTHONUNBUFFERED=1
 mkdir -p /tmp/stage "$OSCAR_CACHE/gguf" "$OSCAR_CACHE/text"
