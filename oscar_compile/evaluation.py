@@ -336,6 +336,29 @@ def _report(cfg, methods, rows, retrieval, t0, partial=False) -> dict:
 
 
 # ----------------------------------------------------------------------------- report
+def retrieval_vs_bf16(retrieval: list[dict]) -> list[dict]:
+    """Each method's retrieval against BF16's on the same prompts, per length: ``lost`` (BF16 answered, the method
+    did not), ``gained`` (the reverse) and ``p``, the exact two-sided sign test on those discordant prompts
+    (McNemar's exact test): a method equals BF16's retrieval where it loses none, and differs from it only where
+    ``p`` is small. Prompts pair by their order, the same for every method (checked by task, length, depth, answer)."""
+    key = lambda r: (r["task"], r["length"], r["depth"], r.get("answer"))  # noqa: E731
+    base = [r for r in retrieval if r["method"] == "bf16"]
+    out = []
+    for name in dict.fromkeys(r["method"] for r in retrieval if r["method"] != "bf16"):
+        rows = [r for r in retrieval if r["method"] == name]
+        for length in sorted({r["length"] for r in rows}):
+            a = [r for r in base if r["length"] == length]
+            b = [r for r in rows if r["length"] == length]
+            if not a or [key(r) for r in a[:len(b)]] != [key(r) for r in b]:
+                continue  # no BF16 run of these prompts (or a partial one of others)
+            lost = sum(x["correct"] and not y["correct"] for x, y in zip(a, b))
+            gained = sum(y["correct"] and not x["correct"] for x, y in zip(a, b))
+            n, k = lost + gained, min(lost, gained)
+            p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+            out.append({"method": name, "length": length, "prompts": len(b), "lost": lost, "gained": gained, "p": p})
+    return out
+
+
 def format_report(report: dict) -> str:
     lines = []
     ppl = report["perplexity"]
@@ -376,6 +399,13 @@ def format_report(report: dict) -> str:
                 rs = [r["correct"] for r in ret if r["method"] == n and r["length"] == length]
                 cells.append(f"{sum(rs)}/{len(rs)}")
             lines.append(f"  {n:<30}" + "".join(f"{c:>10}" for c in cells))
+        paired = retrieval_vs_bf16(ret)
+        if paired:
+            lines.append("retrieval against bf16 on the same prompts (lost: bf16 answered, the method not; exact "
+                         "sign test on the prompts that differ)")
+            for d in paired:
+                lines.append(f"  {d['method']:<30} {d['length']:>7}: lost {d['lost']}, gained {d['gained']} of "
+                             f"{d['prompts']} (p {d['p']:.2f})")
     return "\n".join(lines)
 
 

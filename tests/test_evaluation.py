@@ -13,6 +13,7 @@ from oscar_compile.evaluation import (
     Session,
     bits_per_element,
     format_report,
+    retrieval_vs_bf16,
     make_retrieval_prompt,
     perplexity_nll,
     plot_report,
@@ -284,3 +285,19 @@ def test_paired_deltas_between_quantized_methods_on_the_same_tokens():
     report = {"config": {}, "retrieval": [], "perplexity": [dict(r, ppl=2.0, nll=0.7, bits_per_element=3.0)
                                                              for r in rows.values()]}
     assert "b vs a: +1.0" in format_report(report)
+
+
+def test_retrieval_against_bf16_pairs_the_same_prompts():
+    # 10 prompts of one length: bf16 answers 0-5; "a" answers 0-2 and 8 (lost 3, gained 1: p = 2 * 5/16 = 0.625);
+    # "b" answers exactly what bf16 does (lost 0, gained 0, p 1); "c" ran other prompts (answers differ): not paired
+    def rows(method, right, answers=range(10)):
+        return [{"method": method, "task": "passkey", "length": 1024, "depth": 0.5, "answer": str(a),
+                 "correct": i in right} for i, a in enumerate(answers)]
+
+    ret = rows("bf16", range(6)) + rows("a", (0, 1, 2, 8)) + rows("b", range(6)) + rows("c", (0,), range(10, 20))
+    got = {d["method"]: d for d in retrieval_vs_bf16(ret)}
+    assert set(got) == {"a", "b"}
+    assert (got["a"]["lost"], got["a"]["gained"], got["a"]["prompts"]) == (3, 1, 10)
+    assert abs(got["a"]["p"] - 0.625) < 1e-12 and got["b"]["lost"] == got["b"]["gained"] == 0 and got["b"]["p"] == 1.0
+    text = format_report({"config": {}, "perplexity": [], "retrieval": ret})
+    assert "lost 3, gained 1 of 10 (p 0.62)" in text and "lost 0, gained 0 of 10 (p 1.00)" in text
