@@ -124,13 +124,12 @@ def quantize_int2_channels(
         raise ValueError(f"clip_ratio must be in (0, 1], got {clip_ratio}")
     xf = x.float()
     mn, mx = xf.amin(dim=-2), xf.amax(dim=-2)
+    width = mx - mn
     if clip_ratio is not None and clip_ratio < 1.0:
         # the same float32 operations, in the same order, as the Triton store (triton_store._quantize_store)
-        width = (mx - mn) * clip_ratio
+        width = width * clip_ratio
         mn = (mx + mn) * 0.5 - width * 0.5
-        scale = (width / _INT2_LEVELS).to(meta_dtype)
-    else:
-        scale = ((mx - mn) / _INT2_LEVELS).to(meta_dtype)
+    scale = (width / _INT2_LEVELS).to(meta_dtype)
     minimum = mn.to(meta_dtype)
     s32, m32 = scale.float().unsqueeze(-2), minimum.float().unsqueeze(-2)
     inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))

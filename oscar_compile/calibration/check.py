@@ -62,9 +62,10 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
     With per-channel keys the check also chooses each layer's page range ratio (``key_page_clips``, from
     ``PAGE_CLIP_GRID``, the one with the least key error, recorded in ``check_page_clip_key_error``; what the
     backend's default ``key_page_clips="auto"`` stores). The recorded key errors and the choices below stay at full
-    ranges, the larger errors (the evaluated artifacts chose their BF16 layers so). It also measures each layer's keys per token (``check_token_key_error``) and
-    lists the layers where that error is below ``TOKEN_KEY_RATIO`` times the per-channel one (``token_key_layers``):
-    what the backend's ``layer_key_formats="auto"`` keeps per token."""
+    ranges, the larger errors (the evaluated artifacts chose their BF16 layers so). It also measures each layer's
+    keys per token (``check_token_key_error``) and lists the layers where that error is below ``TOKEN_KEY_RATIO``
+    times the per-channel one (``token_key_layers``): what the backend's ``layer_key_formats="auto"`` keeps per
+    token."""
     from ..backend import BackendOptions, resolve_page_size
     from .tracer import run_observed
 

@@ -15,6 +15,8 @@ A decode step (``T == 1``) needs no history: the ring holds its window after the
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
@@ -30,17 +32,37 @@ def _first_positions(pos: torch.Tensor) -> torch.Tensor:
     return torch.where(c0 == big, torch.zeros_like(c0), c0)
 
 
-def _history_index(pos: torch.Tensor, n: int):
-    """``(index, positions)``: for every entry of the ``[B, n + T]`` result, the row it takes from
-    ``cat([history of n, chunk of T])`` and its position (-1: padding). ``pos``: ``[B, T]``."""
+class HistoryLayout(NamedTuple):
+    """Where the ``n`` history slots and the ``T`` chunk entries of each row land in the ``[B, n + T]`` result.
+    History slot ``i`` of row ``b`` holds position ``c0_b - n + i``; the slots at negative positions hold no token and
+    land in the padding at the end, so each row's entries are a permutation of ``0 .. n + T - 1``."""
+
+    hist_pos: torch.Tensor  # [B, n] the position each history slot reads (negative: none)
+    hist_dest: torch.Tensor  # [B, n] its entry in the result
+    chunk_dest: torch.Tensor  # [B, T] each chunk entry's entry in the result
+
+
+def history_layout(pos: torch.Tensor, n: int) -> HistoryLayout:
+    """The layout of a chunk at ``pos [B, T]`` returned with ``n`` history slots (see the module)."""
     b, t = pos.shape
-    c0 = _first_positions(pos)
-    real = torch.clamp(c0, max=n)  # history tokens that exist: positions c0 - real .. c0 - 1
-    i = torch.arange(n + t, device=pos.device)
-    index = ((n - real)[:, None] + i).clamp_(max=n + t - 1)
-    src_pos = torch.cat([c0[:, None] - n + torch.arange(n, device=pos.device), pos], dim=1)
-    positions = torch.where(i < (real + t)[:, None], src_pos.gather(1, index), -1)
-    return index, positions
+    c0 = _first_positions(pos).long()
+    real = c0.clamp(max=n)[:, None]  # history tokens that exist: positions c0 - real .. c0 - 1
+    i = torch.arange(n, device=pos.device)
+    skip = n - real
+    hist_dest = torch.where(i >= skip, i - skip, real + t + i)
+    return HistoryLayout(c0[:, None] - n + i, hist_dest, real + torch.arange(t, device=pos.device))
+
+
+def place_history(layout: HistoryLayout, hist: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+    """``[B, n + T, ...]``: the history ``hist [B, n, ...]`` (:func:`read_history`, or positions) and the chunk
+    ``chunk [B, T, ...]`` (the transformed tokens, or their positions) at their entries: one allocation, each entry
+    written once."""
+    b, n = layout.hist_dest.shape
+    out = chunk.new_empty(b, n + chunk.shape[1], *chunk.shape[2:])
+    rows = torch.arange(b, device=chunk.device)[:, None]
+    out[rows, layout.hist_dest] = hist.to(chunk.dtype)
+    out[rows, layout.chunk_dest] = chunk
+    return out
 
 
 def positions_with_history(chunk_positions: torch.Tensor, batch: int, entries: int) -> torch.Tensor:
@@ -48,31 +70,23 @@ def positions_with_history(chunk_positions: torch.Tensor, batch: int, entries: i
     ``[T]`` or ``[B, T]`` positions the chunk was stored at; the positions as they are for a chunk without one."""
     pos = chunk_positions.expand(batch, chunk_positions.shape[-1]) if chunk_positions.dim() == 1 else chunk_positions
     n = entries - pos.shape[-1]
-    return pos if n == 0 else _history_index(pos, n)[1].to(pos.dtype)
+    if n == 0:
+        return pos
+    layout = history_layout(pos, n)
+    return place_history(layout, layout.hist_pos.clamp(min=-1), pos)
 
 
-def read_history(pos: torch.Tensor, sink: torch.Tensor, ring: torch.Tensor, n: int) -> torch.Tensor:
-    """``[B, n, H, d]``: the ``n`` stored tokens before each row's chunk (``pos [B, T]``): the sink below
-    ``num_sinks``, else ring slot ``p % R``; rows for positions below 0 are some slot's (never used). Read it before
-    the chunk is written. Plain tensor ops: no host sync (CUDA-graph safe)."""
-    b = pos.shape[0]
-    hist_pos = (_first_positions(pos)[:, None] - n + torch.arange(n, device=pos.device)).long()  # [B, n]
-    rows = torch.arange(b, device=pos.device)[:, None]
+def read_history(layout: HistoryLayout, sink: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
+    """``[B, n, H, d]``: the stored tokens the history slots hold: the sink below ``num_sinks``, else ring slot
+    ``p % R`` (a slot at a negative position reads some slot, never used). Read it before the chunk is written.
+    Plain tensor ops: no host sync (CUDA-graph safe)."""
+    hist_pos = layout.hist_pos
+    rows = torch.arange(hist_pos.shape[0], device=hist_pos.device)[:, None]
     hist = ring[rows, hist_pos % ring.shape[1]]
     s = sink.shape[1]
     if s:
         hist = torch.where((hist_pos < s)[..., None, None], sink[rows, hist_pos.clamp(0, s - 1)], hist)
     return hist
-
-
-def place_history(pos: torch.Tensor, hist: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """``[B, n + T, H, d]``: the history ``hist [B, n, H, d]`` (:func:`read_history`) and the transformed chunk
-    ``new [B, T, H, d]``, laid out as the module says."""
-    b, t, h, d = new.shape
-    n = hist.shape[1]
-    index, _ = _history_index(pos, n)
-    src = torch.cat([hist.to(new.dtype), new], dim=1)
-    return src.gather(1, index[:, :, None, None].expand(b, n + t, h, d))
 
 
 def chunk_with_history(pos: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_sink: torch.Tensor,
@@ -82,5 +96,6 @@ def chunk_with_history(pos: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     0. Call it before the chunk is written."""
     if n == 0:
         return k_new, v_new
-    return (place_history(pos, read_history(pos, k_sink, k_ring, n), k_new),
-            place_history(pos, read_history(pos, v_sink, v_ring, n), v_new))
+    layout = history_layout(pos, n)
+    return (place_history(layout, read_history(layout, k_sink, k_ring), k_new),
+            place_history(layout, read_history(layout, v_sink, v_ring), v_new))

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from . import fragment_order
 from .checks import check_store
-from .sliding import history_len, place_history, read_history
+from .sliding import history_layout, history_len, place_history, read_history
 
 LAST_LAUNCH: dict = {}  # the compiled kernel of the latest call (register/spill reports in benchmarks)
 
@@ -368,7 +368,8 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
     v_out = torch.empty_like(k_out)
     n = history_len(geo.drops_evicted, geo.window, t)
     # a cache without pages: the ring's tokens before the chunk, read now (the launch below overwrites their slots)
-    history = (read_history(pos, k_sink, k_ring, n), read_history(pos, v_sink, v_ring, n)) if n else None
+    layout = history_layout(pos, n) if n else None
+    history = (read_history(layout, k_sink, k_ring), read_history(layout, v_sink, v_ring)) if n else None
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
@@ -397,7 +398,7 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
         _store_pages_then_ring(geo, pos, first, last, k_out, v_out, k_codes, k_meta, v_codes, v_meta, k_ring, v_ring,
                                bt, vl, vf, vc, float(key_clip))
     if history is not None:  # returned in front of the chunk (kernels/sliding.py)
-        return place_history(pos, history[0], k_out), place_history(pos, history[1], v_out)
+        return place_history(layout, history[0], k_out), place_history(layout, history[1], v_out)
     return k_out, v_out
 
 
