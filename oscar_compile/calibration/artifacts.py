@@ -214,10 +214,16 @@ class Artifacts:
             # a layer 4x above the lower median stands out (Qwen2.5-Coder-0.5B's layer 0 keys at 2K, per the probe:
             # 1.07 against 0.07; at the 512-token calibration length not yet: 0.40 against 0.28)
             med = lower_medians(errors)
-            lines.append("layer  key clip  value clip  held-out error keys / values (relative RMS)")
+            # keys per channel over pages (the backend's default format) beside the per-token error the clip search
+            # minimized; artifacts calibrated before 2026-12-06 have only the latter
+            channel = cal.get("heldout_channel_key_error")
+            channel = channel if channel and len(channel) == len(errors) else None
+            lines.append("layer  key clip  value clip  held-out error keys / values (relative RMS)"
+                         + ("  keys per channel" if channel else ""))
             for i, ((k, v), (ek, ev)) in enumerate(zip(self.clip_ratios, errors)):
                 flag = "  <- an outlier" if ek > 4 * med[0] or ev > 4 * med[1] else ""
-                lines.append(f"{i:>5}  {k:8.3f}  {v:10.3f}  {ek:8.3f} / {ev:.3f}{flag}")
+                extra = f"  {channel[i]:16.3f}" if channel else ""
+                lines.append(f"{i:>5}  {k:8.3f}  {v:10.3f}  {ek:8.3f} / {ev:.3f}{extra}{flag}")
         else:
             lines.append("layer  key clip  value clip")
             lines += [f"{i:>5}  {k:8.3f}  {v:10.3f}" for i, (k, v) in enumerate(self.clip_ratios)]

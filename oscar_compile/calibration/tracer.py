@@ -9,7 +9,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..backend import OscarBackend
+from ..backend import DEFAULT_PAGE_SIZE, OscarBackend
 from .artifacts import Artifacts, model_fingerprint
 from .clipping import CLIP_GRID, attention_probs, relative_errors, search_clip
 from .rotations import derive_transforms, parse_method
@@ -199,6 +199,7 @@ def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_
     transforms = []
     seeds = []
     errors = []  # [key, value] relative held-out RMS error of each layer at its chosen transforms and clips
+    channel_key_errors = []  # the key error of each layer with keys per channel over pages (the backend's default)
     centred_values = []  # whether each layer stores v - mu_v (+vauto chooses per layer)
     layers = range(len(obs.layers))
     if progress and spec.clip_search:
@@ -231,12 +232,18 @@ def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_
                                  output_transform=best_v[3].output_transform, key_clip=best_k[2], value_clip=best_v[2])
         centred_values.append(best_v[4])
         seeds.append([best_k[1], best_v[1]])
-        errors.append([round(e, 4) for e in relative_errors(h.q, h.k, h.v, tr, group_size, obs.skip_first)])
+        # per-token keys (what the clip search minimized) and, beside them, per-channel keys over pages at full
+        # ranges (what the backend stores by default; its page ranges are chosen later, by the long-context check)
+        ek, ev, ec = relative_errors(h.q, h.k, h.v, tr, group_size, obs.skip_first,
+                                     other_key_pages=(DEFAULT_PAGE_SIZE["channel"],))
+        errors.append([round(ek, 4), round(ev, 4)])
+        channel_key_errors.append(round(ec, 4))
         transforms.append(tr)
     info = dict(stats.info)
     if seeds:
         info["sign_seeds"] = seeds  # [key, value] sign pattern of each layer (rotations._fixed_signs)
         info["heldout_relative_error"] = errors
+        info["heldout_channel_key_error"] = channel_key_errors
         info["value_centred"] = centred_values
     if spec.query_scaling:
         info["key_scale_span"] = key_scale_spans(transforms)

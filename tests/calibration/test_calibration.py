@@ -223,6 +223,12 @@ def test_relative_errors_are_recorded_and_an_outlier_layer_is_flagged():
     assert errs[1][1] == pytest.approx(errs[0][1], rel=0.5)  # values: the same data, the same error
     assert "<- an outlier" in art.summary().splitlines()[-1]
     assert relative_errors([0.5 * q], [k], [v], art.layers[0]) == pytest.approx(tuple(errs[0]), rel=1e-3)
+    # beside them the key error per channel over pages of 32 (the backend's default format): the peaked layer's
+    # keys stand out there too, and the summary shows the column
+    chan = art.calibration["heldout_channel_key_error"]
+    assert len(chan) == 2 and 0 < chan[0] < 1 and chan[1] > 4 * chan[0], chan
+    assert chan[0] == pytest.approx(relative_errors([0.5 * q], [k], [v], art.layers[0], key_page=32)[0], rel=1e-3)
+    assert "keys per channel" in art.summary()
     # a window of BF16 keys (the cache's ring) only lowers the error, to 0 where it covers every key
     windowed = relative_errors([10 * q], [k], [v], art.layers[1], window=32)
     assert 0 < windowed[0] < errs[1][0] and 0 < windowed[1] < errs[1][1]
