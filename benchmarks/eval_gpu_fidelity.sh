@@ -11,6 +11,9 @@
 #   tokens (`default:c64`), 2K (256 x 64) and 8K (64 x 128), retrieval at 24 prompts a length.
 # ranges: per-channel keys with the check's page range ratios (`default:kr`) against full page ranges (`default`),
 #   2K (256 x 64) and 8K (64 x 128), retrieval at 24 prompts a length.
+# feedback: the default against the default with keys rounded by error feedback (`default:fb`, the backend's
+#   key_feedback=True), 2K (256 x 64), 8K (64 x 128) and, on Gemma 3, 32K (20 x 128), retrieval at 12 prompts a length
+#   (needs artifacts calibrated since 2026-12-06: they carry the feedback factors).
 # heldout: a model none of the method's choices were made on (Qwen2.5-Coder-0.5B): every baseline at 2K (128 x 64),
 #   the default and its page range option at 8K (32 x 128), the default at 32K (10 x 128), retrieval at each length.
 # Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU)
@@ -62,6 +65,11 @@ keys() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
      --methods bf16,default:t,default,default:c64 --retrieval-lengths "$2" --retrieval-samples 4 --out "$W" \
      --name "eval_$1_${CARD}_$(($2 / 1024))k_keys" > "$W/$1_$2_keys.log" 2>&1
 }
+feedback() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
+  $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" \
+     --methods bf16,default,default:fb --retrieval-lengths "$2" --retrieval-samples 2 --out "$W" \
+     --name "eval_$1_${CARD}_$(($2 / 1024))k_feedback" > "$W/$1_$2_feedback.log" 2>&1
+}
 heldout() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: methods
   $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" --methods "$5" \
      --retrieval-lengths "$2" --retrieval-samples 2 --out "$W" \
@@ -74,6 +82,10 @@ for m in $MODELS; do
   esac
   case $1 in keys) keys $m 2048 256 64 & keys $m 8192 64 128 & ;; esac
   case $1 in ranges) ranges $m 2048 256 64 & ranges $m 8192 64 128 & ;; esac
+  case $1 in feedback)  # the 32K run only where the model serves it (Gemma 3)
+    feedback $m 2048 256 64 & feedback $m 8192 64 128 &
+    [ $m = gemma3-270m ] && feedback $m 32768 20 128 & ;;
+  esac
   case $1 in
     probe) [ $m = gemma3-270m ] && $E "$(gguf_of $m)" --model $m --ppl-contexts 2048 --ppl-sequences 64 --ppl-decode 64 \
              --methods bf16,default --retrieval-lengths "" --out "$W" --name eval_gemma3-270m_h200_2k_64seq \

@@ -64,6 +64,9 @@ class LayerTransforms:
     # per-channel keys (key_format="channel"): each channel's page range narrows to this fraction of its width
     # (quant.quantize_int2_channels); the key clip above is per-token keys' (a quantile of each row's |x|)
     key_page_clip: float = 1.0
+    # per-channel keys: error-feedback rounding (quant.feedback_factor of the calibration's query second moment in the
+    # stored basis, [H, d, d]); None rounds each value to its nearest level
+    key_feedback: torch.Tensor | None = None
 
     @classmethod
     def identity(cls, num_kv_heads: int, head_dim: int, device=None) -> "LayerTransforms":
@@ -105,10 +108,19 @@ class LayerTransforms:
 
     def heads(self, lo: int, hi: int) -> "LayerTransforms":
         """The transforms of KV heads ``lo .. hi - 1`` (a tensor-parallel rank's share)."""
-        return replace(self, **{n: getattr(self, n)[lo:hi] for n in self._tensor_names()})
+        return replace(self, **{n: getattr(self, n)[lo:hi] for n in self._present_tensor_names()})
 
     def to(self, device) -> "LayerTransforms":
-        return replace(self, **{n: getattr(self, n).to(device=device, dtype=torch.float32) for n in self._tensor_names()})
+        return replace(self, **{n: getattr(self, n).to(device=device, dtype=torch.float32)
+                                for n in self._present_tensor_names()})
+
+    def _present_tensor_names(self):
+        """The tensors this layer holds: every one of :meth:`_tensor_names`, and the optional ones that are set."""
+        return self._tensor_names() + tuple(n for n in self._optional_tensor_names() if getattr(self, n) is not None)
+
+    @staticmethod
+    def _optional_tensor_names():
+        return ("key_feedback",)
 
     @staticmethod
     def _tensor_names():
@@ -133,6 +145,13 @@ class LayerTransforms:
             err = (prod - eye).abs().max().item()
             if err > rtol * max(1.0, prod.abs().max().item()):
                 raise ValueError(f"oscar: {name} is not the identity (max error {err:.2e}): the inverse matrices do not match")
+        if self.key_feedback is not None:
+            u = self.key_feedback
+            if tuple(u.shape) != (h, d, d) or not torch.isfinite(u).all():
+                raise ValueError(f"oscar: key_feedback must be finite with shape {[h, d, d]}, got {tuple(u.shape)}")
+            if not (u.diagonal(dim1=-2, dim2=-1) > 0).all() or u.tril(-1).abs().max() > 0:
+                raise ValueError("oscar: key_feedback must be upper triangular with a positive diagonal "
+                                 "(quant.feedback_factor)")
         for name in ("key_clip", "value_clip", "key_page_clip"):
             r = getattr(self, name)
             if not 0.0 < r <= 1.0:
@@ -402,11 +421,16 @@ class PagedInt2KVCache:
         """The ``key_clip`` argument of ``oscar::store`` for this cache: per-channel keys take the page range ratio."""
         return float(tr.key_page_clip if self.key_format == "channel" else tr.key_clip)
 
+    def store_key_feedback(self, tr: LayerTransforms):
+        """The ``key_feedback`` argument of ``oscar::store``: the layer's factor with per-channel keys, else None."""
+        pages = self.key_format == "channel" and self.quantize and not self.sliding_window
+        return tr.key_feedback if pages else None
+
     def store_args(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple:
         """The arguments of ``oscar::store`` that :meth:`store` passes (to call an implementation directly)."""
         tr = self.transforms[layer]
         return (k, v, positions, *self._op_args(layer), tr.key_transform, tr.key_mean, tr.value_transform,
-                tr.value_mean, self.store_key_clip(tr), tr.value_clip)
+                tr.value_mean, self.store_key_clip(tr), tr.value_clip, self.store_key_feedback(tr))
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Write ``k, v [B, kv_heads, T, d]`` at ``positions [T] or [B, T]`` (negative = padding).

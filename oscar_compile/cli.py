@@ -60,7 +60,7 @@ def overlapping(a: str, b: str, samples: int = 32, width: int = 200) -> bool:
 
 def _eval(args) -> int:
 
-    from .assets import load_model, load_text
+    from .assets import cache_dir, load_model, load_text
     from .demo import cached_artifacts_for, calibration_text_name
     from .evaluation import EvalConfig, Method, format_report, run_eval, save_report
 
@@ -92,6 +92,11 @@ def _eval(args) -> int:
                                         check_len=args.check_len, check_seqs=args.check_seqs, num_sinks=args.sinks,
                                         window=args.window, position_range=positions)
         artifacts.update({n: found[base[n]] for n in group})
+    for n in calibrated:  # before any method runs: a refusal an hour in wastes the hour
+        if read_options[n].get("key_feedback") and not artifacts[n].has_key_feedback:
+            raise SystemExit(f"oscar eval: {n!r} rounds keys with error feedback, but its cached artifact was "
+                             "calibrated before the artifacts carried the feedback factors (2026-12-06): remove it "
+                             f"from {cache_dir() / 'artifacts'} to recalibrate")
     model.to(device=device, dtype=dtype)
     methods = []
     for n in names:
@@ -121,6 +126,8 @@ def _eval(args) -> int:
                 label += " narrowed page ranges"
             elif "key_page_clips" in read_options[n]:
                 label += " full page ranges"
+            if read_options[n].get("key_feedback"):
+                label += " key feedback"
             if read_options[n].get("score_debias"):
                 label += f" debias {read_options[n]['score_debias']:g}"
             options.update(read_options[n])
@@ -239,6 +246,7 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     (the backend's layer_key_formats="auto"); "method:kr": per-channel keys over page ranges narrowed by the
     ratios the long-context check chose (the backend's key_page_clips="auto", the default since 2026-12-05);
     "method:kf": per-channel keys over every channel's full range in a page (key_page_clips=None);
+    "method:fb": per-channel keys rounded with error feedback (the backend's key_feedback=True);
     "method:d" ("method:d0.5"): INT2 scores debiased by 1 (0.5) times half their rounding noise's variance (the
     backend's score_debias). The key-format, range and debias tags come back as each method's backend options."""
     from .backend import DEFAULT_PAGE_SIZE
@@ -249,7 +257,7 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
              "(e.g. g32.4-10.20) gives layers their own group size, ':c<tokens>' quantizes keys per channel over "
              "pages of that many tokens (the default: c32), ':t' per token, ':ka' per token in the layers the "
              "long-context check chose, ':kr' per channel over the check's narrowed page ranges (the default), ':kf' "
-             "over full page ranges, and ':d' "
+             "over full page ranges, ':fb' rounds per-channel keys with error feedback, and ':d' "
              "(':d<c>', c in (0, 4]) debiases INT2 scores (an oscar method only, e.g. default:L0:p2048:g32.7:c32:d)")
     for n in names:
         head, *tags = n.split(":")
@@ -263,7 +271,10 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         auto_tags = [t for t in tags if t == "ka"]  # per-token keys in the check's token_key_layers
         # per-channel keys over the check's narrowed page ranges (the default) or over full ranges
         range_tags = [t for t in tags if t in ("kr", "kf")]
+        feedback_tags = [t for t in tags if t == "fb"]  # per-channel keys rounded with error feedback
         read_options[n] = {}
+        if feedback_tags:
+            read_options[n]["key_feedback"] = True
         if range_tags:
             read_options[n]["key_page_clips"] = "auto" if range_tags[0] == "kr" else None
         if auto_tags:
@@ -275,9 +286,10 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         if debias_tags:
             read_options[n]["score_debias"] = _debias_value(debias_tags[0])
         if (len(layer_tags) + len(position_tags) + len(group_tags) + len(channel_tags) + len(debias_tags)
-                + len(auto_tags) + len(range_tags) != len(tags)
+                + len(auto_tags) + len(range_tags) + len(feedback_tags) != len(tags)
                 or len(position_tags) > 1 or len(channel_tags) > 1 or len(debias_tags) > 1 or len(auto_tags) > 1
-                or len(range_tags) > 1 or ((auto_tags or range_tags) and channel_tags == ["t"])
+                or len(range_tags) > 1 or len(feedback_tags) > 1
+                or ((auto_tags or range_tags or feedback_tags) and channel_tags == ["t"])
                 or (tags and base[n] in ("bf16", "kivi"))):
             raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, {usage}")
         try:

@@ -47,21 +47,22 @@ def store(
     value_mean: Tensor,
     key_clip: float,
     value_clip: float,
+    key_feedback: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     return store_reference(
         k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
-        key_transform, key_mean, value_transform, value_mean, key_clip, value_clip,
+        key_transform, key_mean, value_transform, value_mean, key_clip, value_clip, key_feedback,
     )
 
 
 @store.register_fake
 def _store_fake(
     k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
-    key_transform, key_mean, value_transform, value_mean, key_clip, value_clip,
+    key_transform, key_mean, value_transform, value_mean, key_clip, value_clip, key_feedback=None,
 ):
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
     geo = check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip,
-                      value_clip)
+                      value_clip, key_feedback)
     b, h, t, d = k.shape
     t = t + history_len(geo.drops_evicted, geo.window, t)  # a chunk with the window before it (kernels/sliding.py)
     return k.new_empty((b, t, h, d), dtype=k_sink.dtype), v.new_empty((b, t, h, d), dtype=v_sink.dtype)
@@ -205,9 +206,9 @@ def _register_triton_kernels() -> bool:
 
     @store.register_kernel("cuda")
     def _store_cuda(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
-                    key_transform, key_mean, value_transform, value_mean, key_clip, value_clip):
+                    key_transform, key_mean, value_transform, value_mean, key_clip, value_clip, key_feedback=None):
         args = (k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
-                key_transform, key_mean, value_transform, value_mean, key_clip, value_clip)
+                key_transform, key_mean, value_transform, value_mean, key_clip, value_clip, key_feedback)
         shape = (k.shape[-1], v_meta.shape[-1] // 2, _channel_page(k_codes, k_meta))
         if triton_store and triton_supported(*shape):
             return store_triton(*args)

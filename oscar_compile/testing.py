@@ -37,6 +37,15 @@ def random_transforms(h: int, d: int, kind: str, gen: torch.Generator, clip: flo
     return t
 
 
+def anisotropic_moment(h: int, d: int, gen: torch.Generator, spread: float = 100.0) -> torch.Tensor:
+    """A random ``[h, d, d]`` second moment whose eigenvalues span ``spread`` (log-uniform) in a random basis: the
+    queries' ``E[q q^T]`` that error-feedback rounding of keys is weighted by (a multiple of the identity gains
+    nothing)."""
+    basis = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))[0]
+    eig = spread ** -torch.rand(h, d, generator=gen, dtype=torch.float64)
+    return (basis * eig[:, None, :]) @ basis.transpose(-1, -2)
+
+
 def twin_caches(h: int, d: int, batch: int, max_len: int, num_sinks: int, window: int, page_size: int,
                 group_size: int | None = None, dtype=torch.float32, kind: str = "orthogonal", clip: float = 1.0,
                 seed: int = 0, device="cpu", key_format: str = "token") -> tuple[PagedInt2KVCache, PagedInt2KVCache]:

@@ -248,6 +248,8 @@ def test_method_specs_read_sequence_layers_and_positions_per_method():
     assert _method_specs(["default:ka"], 512, "auto")[-1]["default:ka"] == {"layer_key_formats": "auto"}
     assert _method_specs(["default:kr"], 512, "auto")[-1]["default:kr"] == {"key_page_clips": "auto"}  # the check's
     assert _method_specs(["default:kf"], 512, "auto")[-1]["default:kf"] == {"key_page_clips": None}  # full ranges
+    assert _method_specs(["default:fb:kf"], 512, "auto")[-1]["default:fb:kf"] == {  # keys with error feedback
+        "key_feedback": True, "key_page_clips": None}
     assert options["default:c64:d"] == {"key_format": "channel", "page_size": 64, "score_debias": 1.0}
     assert options["default:d0.5"] == {"score_debias": 0.5}
     # ':g<size>.<layers>': layers with their own group size, the later tag winning for a layer named twice
@@ -258,7 +260,7 @@ def test_method_specs_read_sequence_layers_and_positions_per_method():
     assert positions["default@1024:L0:p2304"] == 2304 and layers["default@1024:L0:p2304"] == (0,)
     for bad in ("default:p1:p2", "default:x3", "bf16:p0", "default@x", "default:g32", "default:g0.1", "default:gx.1",
                 "bf16:g32.1", "default:c1", "default:c32:c64", "default:t:c32", "default:t:t", "kivi:t", "kivi:c32", "default:ka:t", "default:ka:ka", "default:kr:kr", "default:kr:t", "bf16:kr",
-                "default:kr:kf", "default:kf:t", "kivi:kf",
+                "default:kr:kf", "default:kf:t", "kivi:kf", "default:fb:fb", "default:fb:t", "bf16:fb",
                 "default:cx", "default:d5", "default:d:d", "bf16:d", "default:dx"):
         with pytest.raises(SystemExit):
             _method_specs([bad], 512, "auto")

@@ -306,3 +306,38 @@ def test_smallest_sliding_storage_counts_channel_key_bytes():
         assert _ring_is_smaller(o, h, d, bf, 512, max_len, None)  # 512 BF16 tokens against 64 + 256 + INT2 pages
     # a window of 4096 against 2K tokens of INT2 (the ring is capped at the cache's length: BF16 throughout)
     assert not _ring_is_smaller(o, h, d, bf, 4096, 2048, None)
+
+
+def test_key_feedback_reaches_the_store_and_needs_its_factors(tmp_path):
+    """``key_feedback=True``: each layer's factor (calibrated, saved and loaded with the artifact) is the store's
+    ``key_feedback`` argument, so the logits move against plain rounding (the option reached the kernels); without an
+    artifact, with one calibrated before the factors existed, or with per-token keys, it is refused."""
+    from dataclasses import replace
+
+    from oscar_compile import calibrate, load_artifacts, oscar_backend
+    from oscar_compile.testing import make_hf_cache, prefill_and_decode, tiny_model
+
+    opts = dict(num_sinks=2, window=3, page_size=4)
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(1)
+    art = calibrate(model, [torch.randint(3, 97, (2, 48), generator=gen) for _ in range(3)], progress=False)
+    assert art.has_key_feedback
+    art = load_artifacts(art.save(tmp_path / "art"))  # the factors survive the files
+    assert art.has_key_feedback and all(torch.equal(t.key_feedback, t.key_feedback.triu()) for t in art.layers)
+    ids = torch.randint(3, 97, (2, 21), generator=gen)
+    logits = {}
+    for feedback in (False, True):
+        torch._dynamo.reset()
+        backend = oscar_backend(art, inductor=False, key_feedback=feedback, **opts)
+        logits[feedback] = prefill_and_decode(torch.compile(model, backend=backend), ids,
+                                              make_hf_cache("oscar", model, 40, 2), 6)
+        for c in backend.storage.values():
+            got = c.store_key_feedback(c.transforms[0])
+            assert (got is not None) == feedback
+    assert rel_error(logits[True], logits[False]) > 1e-5
+    old = replace(art, layers=[replace(t, key_feedback=None) for t in art.layers])
+    for bad, match in ((dict(artifacts=None), "none was given"), (dict(artifacts=old), "recalibrate"),
+                       (dict(artifacts=art, key_format="token"), "key_format='channel'"),
+                       (dict(artifacts=art, key_feedback="yes"), "True or False")):
+        with pytest.raises(ValueError, match=match):
+            oscar_backend(**{"key_feedback": True, **bad})

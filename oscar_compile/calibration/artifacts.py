@@ -85,6 +85,12 @@ class Artifacts:
         return {i: float(r) for i, r in enumerate(self.calibration.get("key_page_clips") or ()) if r is not None}
 
     @property
+    def has_key_feedback(self) -> bool:
+        """Whether every layer carries its error-feedback factor (``LayerTransforms.key_feedback``; the backend's
+        ``key_feedback`` option needs it): artifacts calibrated since 2026-12-06."""
+        return all(t.key_feedback is not None for t in self.layers)
+
+    @property
     def clip_ratios(self) -> list[tuple[float, float]]:
         return [(t.key_clip, t.value_clip) for t in self.layers]
 
@@ -141,7 +147,7 @@ class Artifacts:
         d.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for i, tr in enumerate(self.layers):
-            for name in tr._tensor_names():
+            for name in tr._present_tensor_names():
                 tensors[f"layers.{i}.{name}"] = getattr(tr, name).detach().float().cpu().contiguous()
         save_file(tensors, str(d / TENSORS))
         manifest = {
@@ -187,8 +193,10 @@ class Artifacts:
         layers = []
         for i in range(fp["num_layers"]):
             try:
+                optional = {n: tensors[f"layers.{i}.{n}"] for n in LayerTransforms._optional_tensor_names()
+                            if f"layers.{i}.{n}" in tensors}  # key_feedback: artifacts since 2026-12-06
                 tr = LayerTransforms(**{n: tensors[f"layers.{i}.{n}"] for n in LayerTransforms._tensor_names()},
-                                     key_clip=float(clips[i]["key"]), value_clip=float(clips[i]["value"]))
+                                     key_clip=float(clips[i]["key"]), value_clip=float(clips[i]["value"]), **optional)
             except (KeyError, IndexError) as e:
                 raise ArtifactError(f"oscar: {d} lacks layer {i} ({e})") from None
             tr.validate(fp["num_kv_heads"], fp["head_dim"])

@@ -11,6 +11,7 @@ import torch
 
 from ..backend import DEFAULT_PAGE_SIZE, OscarBackend
 from .artifacts import Artifacts, model_fingerprint
+from ..quant import feedback_factor
 from .clipping import CLIP_GRID, attention_probs, relative_errors, search_clip
 from .rotations import derive_transforms, parse_method
 from .statistics import StatsObserver
@@ -190,6 +191,20 @@ def key_scale_spans(transforms) -> list[float]:
     return spans
 
 
+def with_key_feedback(tr, layer_stats, damp: float = 0.01):
+    """``tr`` with ``key_feedback``: :func:`~oscar_compile.quant.feedback_factor` of the calibration queries' second
+    moment in the stored basis (``B_q^T E[q q^T] B_q``, ``B_q`` the query transform); ``tr`` unchanged (no factor)
+    for a layer whose queries were never observed."""
+    if layer_stats.query_count == 0:
+        return tr
+    bq = tr.query_transform.double()
+    moment = bq.transpose(-1, -2) @ layer_stats.query_second_moment.to(bq) @ bq
+    try:
+        return dataclasses.replace(tr, key_feedback=feedback_factor(moment, damp))
+    except RuntimeError:  # torch.linalg errors: not positive definite even damped (degenerate queries)
+        return tr
+
+
 def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_size: int | None = None,
                      clip_grid=CLIP_GRID, progress: bool = False) -> Artifacts:
     """Transforms and clip ratios of ``method`` from collected statistics (``progress``: a bar over the layers,
@@ -239,6 +254,8 @@ def derive_artifacts(stats: CalibrationStats, method: str = "default", *, group_
         errors.append([round(ek, 4), round(ev, 4)])
         channel_key_errors.append(round(ec, 4))
         transforms.append(tr)
+    # every method: the factor of error-feedback rounding for per-channel keys (the backend's key_feedback option)
+    transforms = [with_key_feedback(tr, obs.layers[i]) for i, tr in enumerate(transforms)]
     info = dict(stats.info)
     if seeds:
         info["sign_seeds"] = seeds  # [key, value] sign pattern of each layer (rotations._fixed_signs)

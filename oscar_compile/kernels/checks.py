@@ -180,7 +180,8 @@ def check_clip(name: str, ratio: float) -> None:
         _fail(f"{name} must be in (0, 1] (1 = no clipping), got {ratio}")
 
 
-def check_store(k, v, positions, cache_tensors, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip):
+def check_store(k, v, positions, cache_tensors, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip,
+                key_feedback=None):
     geo = check_cache(*cache_tensors)
     if k.dim() != 4 or k.shape != v.shape:
         _fail(f"k and v must both be [batch, kv_heads, tokens, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -197,6 +198,10 @@ def check_store(k, v, positions, cache_tensors, key_transform, key_mean, value_t
     check_transforms(geo, key_transform=key_transform, key_mean=key_mean, value_transform=value_transform, value_mean=value_mean)
     check_clip("key_clip", key_clip)
     check_clip("value_clip", value_clip)
+    if key_feedback is not None:
+        check_transforms(geo, key_feedback=key_feedback)
+        if not geo.key_channel:
+            _fail("key_feedback (error-feedback rounding of keys) needs keys per channel (key_format='channel')")
     return geo
 
 

@@ -128,14 +128,17 @@ def compile_store(d=128, ng=1, clip=True, frag=True, chunk_only=False):
                         STORE_POINTERS, num_warps=8 if d >= 256 else 4, num_stages=3)
 
 
-def compile_store_pages(d=128, ps=32, clip=True, tmap=True):
+def compile_store_pages(d=128, ps=32, clip=True, tmap=True, feedback=False):
     """Per-channel keys: the page flush (a chunk, or a decode step without the chunk map) and the ring write that
-    follow the store's chunk launch. ``clip``: values clipped and keys' page ranges narrowed (key_page_clip)."""
+    follow the store's chunk launch. ``clip``: values clipped and keys' page ranges narrowed (key_page_clip).
+    ``feedback``: keys rounded with error feedback (key_feedback)."""
     from .triton_store import _flush_pages_kernel
 
-    return compile_sm90(_flush_pages_kernel, dict(PS=ps, D=d, NG=1, V_CLIP=clip, FRAG=True, HAS_TMAP=tmap,
-                                                  K_RANGE=clip),
-                        STORE_POINTERS, num_warps=8 if d * ps >= 8192 else 4)
+    const = dict(PS=ps, D=d, NG=1, V_CLIP=clip, FRAG=True, HAS_TMAP=tmap, K_RANGE=clip, FEEDBACK=feedback)
+    if not feedback:
+        const["fb_ptr"] = None  # as the launch passes it
+    return compile_sm90(_flush_pages_kernel, const, dict(STORE_POINTERS, fb_ptr="*fp32"),
+                        num_warps=8 if d * ps >= 8192 else 4)
 
 
 def compile_store_ring(d=128, ps=32):
@@ -186,6 +189,7 @@ def launch_variants(d: int) -> dict:
         f"store chunk, per-channel keys d={d}": lambda: compile_store(d=d, chunk_only=True),
         f"store pages, per-channel keys d={d}": lambda: compile_store_pages(d=d),
         f"store pages of a decode step, per-channel keys d={d}": lambda: compile_store_pages(d=d, tmap=False),
+        f"store pages with error feedback, per-channel keys d={d}": lambda: compile_store_pages(d=d, feedback=True),
         f"store ring, per-channel keys d={d}": lambda: compile_store_ring(d=d),
         f"gluon decode d={d}": lambda: compile_gluon_decode(d=d),
         **({"gluon decode d=128, no mask, G=8": lambda: compile_gluon_decode(d=128, g=8, mask_kind=0, causal=False),

@@ -16,6 +16,9 @@ Semantics (DESIGN.md section 3), per sequence row ``b``; ``S`` sinks, ``W`` wind
   window; until then they stay in the ring, which holds ``W + P - 1`` tokens (``W`` = ring length - P + 1).
   Values go per token, entering the pages at the same time. ``key_clip`` < 1 then narrows each channel's range
   over the page to that fraction of its width about its midpoint (:func:`~oscar_compile.quant.quantize_int2_channels`).
+  ``key_feedback`` (``[H, d, d]``, :func:`~oscar_compile.quant.feedback_factor`) rounds those keys with error
+  feedback: channel by channel, each token's rounding error pushed onto its later channels, weighted by what the
+  queries read (the grid stays the page's).
 * Negative positions are padding and are skipped. The valid positions of a row must be
   consecutive and continue that row's history (as every KV cache writes them).
 * A cache with no pages (block table of width 0) drops a token that leaves the ring instead of
@@ -83,7 +86,7 @@ def _capacity_text(geo: CacheGeometry) -> str:
             f"x {geo.page_size}); size it for the prompt plus every new token (max_seq_len / max_cache_len)")
 
 
-def _write_pages(geo, codes, meta, block_table, row, quant_index, rows_fp, clip, kind):
+def _write_pages(geo, codes, meta, block_table, row, quant_index, rows_fp, clip, kind, feedback=None):
     if quant_index.numel() == 0 or geo.drops_evicted:  # no pages: what leaves the ring is dropped
         return
     pages, slots = _page_slots(geo, block_table, row, quant_index)
@@ -91,7 +94,8 @@ def _write_pages(geo, codes, meta, block_table, row, quant_index, rows_fp, clip,
     if kind == "k" and geo.key_channel:  # whole pages (quant_index starts and ends on page boundaries)
         ps, h, d = geo.page_size, geo.num_kv_heads, geo.head_dim
         by_page = rows_fp.reshape(-1, ps, h, d).transpose(1, 2)  # [pages, H, P, d]
-        packed, scale, minimum = quantize_int2_channels(by_page, meta_dtype=meta.dtype, clip_ratio=clip)
+        packed, scale, minimum = quantize_int2_channels(by_page, meta_dtype=meta.dtype, clip_ratio=clip,
+                                                        feedback=feedback)
         # a (page, head) holding a NaN/inf dequantizes to NaN as a whole: its channels' ranges are meaningless
         bad = ~torch.isfinite(by_page).flatten(2).all(dim=-1)[..., None]
         scale, minimum = torch.where(bad, nan, scale), torch.where(bad, nan, minimum)
@@ -126,7 +130,7 @@ def _row_spans(geo: CacheGeometry, pos: torch.Tensor, block_table: torch.Tensor)
     return spans
 
 
-def _store_side(geo, x_t, spans, codes, meta, sink, ring, block_table, clip, kind):
+def _store_side(geo, x_t, spans, codes, meta, sink, ring, block_table, clip, kind, feedback=None):
     """Write one side (keys or values) of every row. ``x_t``: ``[B, T, H, d]`` in cache dtype."""
     s, ring_len = geo.num_sinks, geo.window
     for b, valid, p in spans:
@@ -139,7 +143,8 @@ def _store_side(geo, x_t, spans, codes, meta, sink, ring, block_table, clip, kin
         if hi > lo:
             old = torch.arange(s + lo, max(s + lo, min(first, s + hi)), device=p.device)
             rows = torch.cat([ring[b, old % ring_len].float(), x[in_page].float()]) if ring_len else x[in_page].float()
-            _write_pages(geo, codes, meta, block_table, b, torch.arange(lo, hi, device=p.device), rows, clip, kind)
+            _write_pages(geo, codes, meta, block_table, b, torch.arange(lo, hi, device=p.device), rows, clip, kind,
+                         feedback)
         in_sink = p < s
         in_ring = (p >= s) & ~in_page & (p >= new_len - ring_len)  # a chunk longer than the ring keeps its newest
         sink[b, p[in_sink]] = x[in_sink]
@@ -166,10 +171,12 @@ def store_reference(
     value_mean: torch.Tensor,
     key_clip: float,
     value_clip: float,
+    key_feedback: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-PyTorch ``oscar::store`` (the CPU implementation and the test oracle). ``k, v``: ``[B, H, T, d]``."""
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
-    geo = check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip)
+    geo = check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip,
+                      key_feedback)
     b, _, t, _ = k.shape
     pos = positions.long().expand(b, t) if positions.dim() == 1 else positions.long()
     kt = transform_rows(k, key_transform, key_mean)
@@ -178,6 +185,6 @@ def store_reference(
     kt, vt = kt.to(k_sink.dtype).contiguous(), vt.to(v_sink.dtype).contiguous()  # fake returns contiguous
     # a cache without pages returns the window before the chunk with it, read before the chunk overwrites it
     out = chunk_with_history(pos, kt, vt, k_sink, v_sink, k_ring, v_ring, history_len(geo.drops_evicted, geo.window, t))
-    _store_side(geo, kt, spans, k_codes, k_meta, k_sink, k_ring, block_table, key_clip, "k")
+    _store_side(geo, kt, spans, k_codes, k_meta, k_sink, k_ring, block_table, key_clip, "k", key_feedback)
     _store_side(geo, vt, spans, v_codes, v_meta, v_sink, v_ring, block_table, value_clip, "v")
     return out

@@ -71,12 +71,14 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
                     clip_lo, clip_frac, MAX_PAGES, NUM_PAGES,
                     PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
                     NG: tl.constexpr, HAS_CLIP: tl.constexpr, FRAG: tl.constexpr, KIND: tl.constexpr,
-                    CHANNEL: tl.constexpr = False):
+                    CHANNEL: tl.constexpr = False, fb_ptr=None, FEEDBACK: tl.constexpr = False):
     """Quantize rows ``y [BLOCK_T, D]`` (fp32) where ``keep``; row r goes to quantized index ``qidx[r]``.
 
     ``CHANNEL``: the rows are one whole page (``BLOCK_T == PS``, all kept), quantized per channel over its tokens
     (one (scale, min) per channel, written once for the page at ``meta[page, 0, h]``); with ``HAS_CLIP`` each
-    channel's range narrows to ``clip_frac`` of its width about its midpoint."""
+    channel's range narrows to ``clip_frac`` of its width about its midpoint. ``FEEDBACK``: the page's channels are
+    rounded in order on that grid, each token's rounding error pushed onto its later channels by the row of the
+    head's ``d x d`` factor at ``fb_ptr`` (:func:`oscar_compile.quant.quantize_int2_channels`, same operations)."""
     if tl.sum(keep.to(tl.int32), 0) > 0:  # most decode steps quantize nothing (the token goes to the ring)
         # Before clipping (the GPU's min/max drop NaN): x - x is 0 only for finite x.
         finite = tl.min(((y - y) == 0.0).to(tl.int32), axis=1) > 0
@@ -93,6 +95,19 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
             scale = tl.div_rn(width, tl.full(mx.shape, 3.0, tl.float32)).to(meta_ty).to(tl.float32)
             mn = mn.to(meta_ty).to(tl.float32)
             inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
+            if FEEDBACK:
+                cols = tl.arange(0, D)
+                for i in range(D):
+                    pick = (cols == i)[None, :]
+                    xi = tl.sum(tl.where(pick, y, 0.0), axis=1)  # channel i of every token
+                    mi = tl.sum(tl.where(cols == i, mn, 0.0), axis=0)
+                    si = tl.sum(tl.where(cols == i, scale, 0.0), axis=0)
+                    ii = tl.sum(tl.where(cols == i, inv, 0.0), axis=0)
+                    qi = mi + tl.minimum(tl.maximum(tl.floor((xi - mi) * ii + 0.5), 0.0), 3.0) * si
+                    u = tl.load(fb_ptr + h * D * D + i * D + cols)  # zero before the diagonal
+                    err = tl.div_rn(xi - qi, tl.sum(tl.where(cols == i, u, 0.0), axis=0))
+                    later = (cols > i)[None, :]
+                    y = tl.where(pick, qi[:, None], tl.where(later, y - err[:, None] * u[None, :], y))
             c = tl.floor((y - mn[None, :]) * inv[None, :] + 0.5)
             c = tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.int32)
         elif HAS_CLIP:
@@ -269,7 +284,8 @@ def whole_pages_len(length, S, WE, PS: tl.constexpr):
 def _flush_side(out_ptr, so_b, so_t, so_h, ring_ptr, sr_b, sr_t, sr_h, codes_ptr, meta_ptr, bt_ptr, stride_bt_b,
                 b, h, t, from_ring, q, j, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, W, MAX_PAGES,
                 NUM_PAGES, PS: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, HAS_CLIP: tl.constexpr,
-                FRAG: tl.constexpr, KIND: tl.constexpr, CHANNEL: tl.constexpr):
+                FRAG: tl.constexpr, KIND: tl.constexpr, CHANNEL: tl.constexpr, fb_ptr=None,
+                FEEDBACK: tl.constexpr = False):
     col = tl.arange(0, D)[None, :]
     ring_rows = ring_ptr + b * sr_b + tl.where(from_ring, q % W, 0)[:, None] * sr_t + h * sr_h + col
     out_rows = out_ptr + b * so_b + tl.where(from_ring, 0, t)[:, None] * so_t + h * so_h + col
@@ -277,7 +293,8 @@ def _flush_side(out_ptr, so_b, so_t, so_h, ring_ptr, sr_b, sr_t, sr_h, codes_ptr
                  tl.load(out_rows, mask=~from_ring[:, None], other=0.0)).to(tl.float32)
     bb = b + tl.zeros([PS], tl.int64)
     _quantize_store(y, j >= 0, j, codes_ptr, meta_ptr, bt_ptr, bb, h, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
-                    clip_lo, clip_frac, MAX_PAGES, NUM_PAGES, PS, PS, D, NG, HAS_CLIP, FRAG, KIND, CHANNEL)
+                    clip_lo, clip_frac, MAX_PAGES, NUM_PAGES, PS, PS, D, NG, HAS_CLIP, FRAG, KIND, CHANNEL, fb_ptr,
+                    FEEDBACK)
 
 
 @triton.jit(do_not_specialize=["so_b", "stm_b", "S", "W", "WE", "vclip_lo", "NUM_PAGES"])
@@ -286,7 +303,8 @@ def _flush_pages_kernel(kout_ptr, vout_ptr, so_b, so_t, so_h, tmap_ptr, stm_b, f
                         sc_p, sc_s, sc_h, skm_p, skm_h, svm_p, svm_s, svm_h, sr_b, sr_t, sr_h,
                         vclip_lo, vclip_frac, kratio, S, W, WE, MAX_PAGES, NUM_PAGES, NH,
                         PS: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, V_CLIP: tl.constexpr,
-                        FRAG: tl.constexpr, HAS_TMAP: tl.constexpr = True, K_RANGE: tl.constexpr = False):
+                        FRAG: tl.constexpr, HAS_TMAP: tl.constexpr = True, K_RANGE: tl.constexpr = False,
+                        fb_ptr=None, FEEDBACK: tl.constexpr = False):
     """Per-channel keys: the pages this call completes, one page of one row, head and side a program.
 
     A row holding ``L`` tokens keeps ``quantized_len(L)`` of them in pages (whole pages). The pages between the
@@ -294,7 +312,8 @@ def _flush_pages_kernel(kout_ptr, vout_ptr, so_b, so_t, so_h, tmap_ptr, stm_b, f
     tokens' cache-dtype rows: those of earlier calls still in the ring (it holds ``W = WE + PS - 1``), the rest
     from this call's transformed chunk (``tmap``: position - first -> chunk index; without ``HAS_TMAP``, a decode
     step, the chunk is its one token). Runs before the ring takes this call's tokens (:func:`_ring_kernel`), which
-    may overwrite the slots read here. ``K_RANGE``: keys' channel ranges narrow to ``kratio`` of their width."""
+    may overwrite the slots read here. ``K_RANGE``: keys' channel ranges narrow to ``kratio`` of their width.
+    ``FEEDBACK``: keys rounded with error feedback (``fb_ptr``: ``[H, d, d]`` factors, see :func:`_quantize_store`)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(2) % NH
     first = tl.load(first_ptr + b).to(tl.int64)
@@ -314,7 +333,7 @@ def _flush_pages_kernel(kout_ptr, vout_ptr, so_b, so_t, so_h, tmap_ptr, stm_b, f
             if tl.program_id(2) < NH:
                 _flush_side(kout_ptr, so_b, so_t, so_h, kr_ptr, sr_b, sr_t, sr_h, kc_ptr, km_ptr, bt_ptr, stride_bt_b,
                             b, h, t, from_ring, q, j, sc_p, sc_s, sc_h, skm_p, 0, skm_h, 0, kratio, W, MAX_PAGES,
-                            NUM_PAGES, PS, D, NG, K_RANGE, FRAG, 0, True)
+                            NUM_PAGES, PS, D, NG, K_RANGE, FRAG, 0, True, fb_ptr, FEEDBACK)
             else:
                 _flush_side(vout_ptr, so_b, so_t, so_h, vr_ptr, sr_b, sr_t, sr_h, vc_ptr, vm_ptr, bt_ptr, stride_bt_b,
                             b, h, t, from_ring, q, j, sc_p, sc_s, sc_h, svm_p, svm_s, svm_h, vclip_lo, vclip_frac, W,
@@ -352,10 +371,11 @@ def _clip_args(ratio: float, d: int) -> tuple[int, float, bool]:
 
 
 def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table,
-                 key_transform, key_mean, value_transform, value_mean, key_clip, value_clip):
+                 key_transform, key_mean, value_transform, value_mean, key_clip, value_clip, key_feedback=None):
     """Triton ``oscar::store`` (same arguments and results as :func:`store_reference`)."""
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
-    geo = check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip)
+    geo = check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip,
+                      key_feedback)
     b, h, t, d = k.shape
     same_meta = geo.key_channel or v_meta.stride() == k_meta.stride()  # per-channel key metadata: its own strides
     if (v_codes.stride() != k_codes.stride() or not same_meta or v_sink.stride() != k_sink.stride()
@@ -396,14 +416,14 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
     )
     if geo.key_channel:
         _store_pages_then_ring(geo, pos, first, last, k_out, v_out, k_codes, k_meta, v_codes, v_meta, k_ring, v_ring,
-                               bt, vl, vf, vc, float(key_clip))
+                               bt, vl, vf, vc, float(key_clip), key_feedback)
     if history is not None:  # returned in front of the chunk (kernels/sliding.py)
         return place_history(layout, history[0], k_out), place_history(layout, history[1], v_out)
     return k_out, v_out
 
 
 def _store_pages_then_ring(geo, pos, first, last, k_out, v_out, k_codes, k_meta, v_codes, v_meta, k_ring, v_ring, bt,
-                           vclip_lo, vclip_frac, v_clip, key_range=1.0):
+                           vclip_lo, vclip_frac, v_clip, key_range=1.0, key_feedback=None):
     """Per-channel keys, after the chunk was transformed (and its sinks written): the pages the call completes,
     then the ring (two launches: a page may read a ring slot that this call's tokens overwrite)."""
     b, t, h, d = k_out.shape
@@ -422,6 +442,7 @@ def _store_pages_then_ring(geo, pos, first, last, k_out, v_out, k_codes, k_meta,
         vclip_lo, vclip_frac, key_range, geo.num_sinks, geo.window, geo.evict_window, geo.max_pages, geo.num_pages,
         h, PS=ps, D=d, NG=geo.num_groups, V_CLIP=v_clip, FRAG=fragment_order.in_fragment_order(k_codes),
         HAS_TMAP=t > 1, K_RANGE=key_range < 1.0, num_warps=8 if d * ps >= 8192 else 4,
+        fb_ptr=None if key_feedback is None else key_feedback.float().contiguous(), FEEDBACK=key_feedback is not None,
     )
     block_t = 16
     _ring_kernel[(triton.cdiv(b * t, block_t), 2 * h)](

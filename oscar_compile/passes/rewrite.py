@@ -99,10 +99,12 @@ def rewrite(
             # Detached: the INT2 cache is inference-only, and in grad mode AOTAutograd would otherwise
             # trace a backward through store (a mutating op, which cannot have an autograd formula).
             k_new, v_new = (graph.call_method("detach", (new_head_major(graph, w),)) for w in (kw, vw))
+            feedback = cache.store_key_feedback(tr)  # error-feedback rounding of per-channel keys, if calibrated
             store = graph.call_function(
                 torch.ops.oscar.store.default,
                 (k_new, v_new, positions, *cache_nodes, t_nodes["key_transform"], t_nodes["key_mean"],
-                 t_nodes["value_transform"], t_nodes["value_mean"], cache.store_key_clip(tr), float(tr.value_clip)),
+                 t_nodes["value_transform"], t_nodes["value_mean"], cache.store_key_clip(tr), float(tr.value_clip),
+                 None if feedback is None else _register(gm, f"{prefix}_key_feedback", feedback)),
             )
             k_chunk = graph.call_function(operator.getitem, (store, 0))
             v_chunk = graph.call_function(operator.getitem, (store, 1))

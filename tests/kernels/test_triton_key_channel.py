@@ -12,6 +12,8 @@ rings and sinks match to fp32 rounding. Attention runs fp16 tensor-core operands
 bits) with fp32 accumulation: 5e-3 relative (Frobenius) error against the reference, as for per-token pages.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -22,8 +24,8 @@ from oscar_compile.kernels.store import store_reference
 from oscar_compile.kernels.triton_attention import LAST_LAUNCH, attention_triton, choose_page_kernel
 from oscar_compile.kernels.triton_store import store_triton
 from oscar_compile.ops import triton_supported
-from oscar_compile.quant import unpack_int2
-from oscar_compile.testing import rel_error, replay_decode_in_cuda_graph, twin_caches
+from oscar_compile.quant import feedback_factor, unpack_int2
+from oscar_compile.testing import anisotropic_moment, rel_error, replay_decode_in_cuda_graph, twin_caches
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ATTN_TOL = 5e-3
@@ -54,14 +56,19 @@ def _assert_same_cache(ref, got, dtype):
 
 
 def _run(h, gqa, d, ps, s, w, lengths, chunks=(), decode_steps=0, dtype=torch.float32, clip=1.0, seed=0,
-         mask=False, debias=0.0, key_format="channel", group=None, **options):
+         mask=False, debias=0.0, key_format="channel", group=None, feedback=False, **options):
     """Prefill rows of ``lengths`` (padding at the end), then further chunks of ``chunks`` tokens a row, then decode
-    steps; after every store the caches and the attention outputs of both implementations are compared."""
+    steps; after every store the caches and the attention outputs of both implementations are compared.
+    ``feedback``: keys rounded with error feedback (a random anisotropic query second moment's factor)."""
     gen = torch.Generator().manual_seed(seed)
     batch = len(lengths)
     max_len = max(lengths) + sum(chunks) + decode_steps + 1
     ref, got = twin_caches(h, d, batch, max_len, s, w, ps, group, dtype, "orthogonal", clip, seed, device=DEV,
                            key_format=key_format)
+    if feedback:
+        factor = feedback_factor(anisotropic_moment(h, d, torch.Generator().manual_seed(seed + 1)))
+        for c in (ref, got):
+            c.set_transforms(0, replace(c.transforms[0], key_feedback=factor))
     ref.score_debias = got.score_debias = debias
     lens = [0] * batch
     for i, step in enumerate([lengths] + [(c,) * batch for c in chunks] + [(1,) * batch] * decode_steps):
@@ -95,6 +102,20 @@ def test_store_and_decode_match_reference_small():
     # rows of different lengths, none a multiple of the page; 20 decode steps cross page ends from the ring; every
     # clip ratio 0.9 (the keys' page ranges narrowed about their midpoints)
     _run(h=1, gqa=2, d=64, ps=16, s=2, w=5, lengths=(70, 23), decode_steps=20, clip=0.9)
+
+
+def test_error_feedback_store_matches_reference_small():
+    # keys rounded with error feedback (each channel's rounding error pushed onto the later channels): pages completed
+    # by a prefill of rows of odd lengths, by a later chunk (tokens partly from the ring) and by decode steps, with
+    # narrowed page ranges; the grid, the codes and the attention match the reference as without feedback (the
+    # kernel may fuse the update's multiply-add, so a code may move where the reference's value sits on a tie)
+    args = dict(h=2, gqa=2, d=64, ps=16, s=2, w=5, lengths=(70, 23), chunks=(19,), decode_steps=18, clip=0.9)
+    ref, _ = _run(**args, feedback=True)
+    plain, _ = _run(**args)  # the same tokens rounded to nearest: the feedback moved keys, not values or the grid
+    kf, vf, ksf, _ = _dequantized_pages(ref.layers[0])
+    kp, vp, ksp, _ = _dequantized_pages(plain.layers[0])
+    assert torch.equal(vf, vp) and torch.equal(ksf, ksp)
+    assert (kf != kp).float().mean() > 0.05
 
 
 def test_chunked_prefill_reads_pages_through_the_gather_small():
@@ -244,6 +265,14 @@ def test_full_shapes_gpu(d, gqa, ps):
     # pages of 32 (the default) with a narrowed page range (key_page_clip) and every clip, the others without
     _run(h=2, gqa=gqa, d=d, ps=ps, s=4, w=64, lengths=(900, 333, 1), chunks=(257,), decode_steps=40,
          dtype=torch.bfloat16, seed=d + gqa, clip=0.85 if ps == 32 else 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, gqa", [(64, 3), (128, 4), (256, 4)])
+def test_error_feedback_full_shapes_gpu(d, gqa):
+    # error-feedback rounding at model head sizes (a loop of d steps over a page's tokens in the flush launch)
+    _run(h=2, gqa=gqa, d=d, ps=32, s=4, w=64, lengths=(900, 333, 1), chunks=(257,), decode_steps=40,
+         dtype=torch.bfloat16, seed=d + gqa + 1, clip=0.85, feedback=True)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,152 @@
+"""Error-feedback rounding of INT2 keys in the rotated basis, ordered by query energy (issue 18's candidate; a probe).
+
+A key's INT2 error matters through the scores ``q . (k - k_hat)``: its cost is ``e^T Q e`` with ``Q = E[q q^T]`` in
+the stored basis, not ``|e|^2``. Rounding a key's channels one after another and pushing each channel's rounding error
+onto the channels not yet rounded, weighted by ``Q`` (GPTQ's update, with ``Q`` in the role of the Hessian), lowers
+that cost where ``Q`` is far from a multiple of the identity. The basis mixes by a Hadamard after the query-aware
+scaling, so ``Q`` keeps off-diagonal structure there (its diagonal is flat, its eigenvalues are not).
+
+This probe measures the gain before any kernel work. One real sequence runs through the model in observe mode
+(as ``probe_layer_error.py``); per full-attention layer, ``Q`` is estimated from the queries of the first part of the
+sequence and the error is measured on the last ``--queries`` queries, as decode steps would read their keys (sinks
+and the last ``window`` keys exact, the rest per channel over pages of 32 at full ranges). Reported per layer: the
+relative attention-output error with INT2 keys (values exact) for plain rounding and for error feedback (channels in
+the basis' order and in decreasing ``Q`` diagonal order), and the Gaussian high-rate bound of the gain
+(arithmetic over geometric mean of ``Q``'s eigenvalues).
+
+    python benchmarks/probe_error_feedback.py --model gemma3-270m --artifact DIR --context 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from probe_layer_error import capture
+
+
+def channel_grid(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel over each page (``pages [..., n, page, d]``): INT2 minimum and step at full range, float32 as the
+    cache rounds them (fp16 metadata)."""
+    mn, mx = pages.amin(-2, keepdim=True), pages.amax(-2, keepdim=True)
+    step = ((mx - mn) / 3).half().float()
+    return mn.half().float(), step
+
+
+def round_plain(pages: torch.Tensor) -> torch.Tensor:
+    mn, step = channel_grid(pages)
+    inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    return mn + torch.floor((pages - mn) * inv + 0.5).clamp(0, 3) * step
+
+
+def round_feedback(pages: torch.Tensor, hinv_chol: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """GPTQ's column loop over channels (in ``order``), each token of each page its own row; the grid is each
+    channel's full range over the page before feedback (what a store kernel sees), out-of-range values take the end
+    codes. ``hinv_chol``: upper Cholesky factor of ``Q^-1`` in that order."""
+    mn, step = channel_grid(pages)
+    inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    w = pages[..., order].clone()
+    mn, step, inv = mn[..., order], step[..., order], inv[..., order]
+    out = torch.empty_like(w)
+    for i in range(w.shape[-1]):
+        qi = mn[..., i] + torch.floor((w[..., i] - mn[..., i]) * inv[..., i] + 0.5).clamp(0, 3) * step[..., i]
+        out[..., i] = qi
+        err = (w[..., i] - qi) / hinv_chol[i, i]
+        w[..., i + 1:] -= err[..., None] * hinv_chol[i, i + 1:]
+    back = torch.empty_like(out)
+    back[..., order] = out
+    return back
+
+
+def key_output_error(qt, kt, kq, vt, scale, sinks, window) -> float:
+    """Relative RMS attention-output error of decode-style queries ``qt [g, Tq, d]`` (the last ones of the
+    sequence) with keys ``kq`` where INT2 (not a sink, not in the query's last ``window``), values exact."""
+    t, tq = kt.shape[0], qt.shape[1]
+    pos = torch.arange(t - tq, t)[:, None]
+    j = torch.arange(t)[None, :]
+    visible, exact = j <= pos, (j < sinks) | (j > pos - window)
+    s_ref = torch.einsum("gtd,jd->gtj", qt, kt) * scale
+    s_q = torch.where(exact, s_ref, torch.einsum("gtd,jd->gtj", qt, kq) * scale)
+    p_ref = torch.softmax(s_ref.masked_fill(~visible, float("-inf")), -1)
+    p_q = torch.softmax(s_q.masked_fill(~visible, float("-inf")), -1)
+    ref = p_ref @ vt
+    return float(((p_q - p_ref) @ vt).square().sum() / ref.square().sum()) ** 0.5
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--artifact", required=True)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--queries", type=int, default=128)
+    ap.add_argument("--sinks", type=int, default=64)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--page", type=int, default=32)
+    ap.add_argument("--damp", type=float, default=0.01, help="added to Q's diagonal, times its mean (GPTQ's)")
+    ap.add_argument("--q-text", default="debian-handbook", help="text whose queries estimate Q (the calibration's); "
+                    "'same': the first part of the measured sequence")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from oscar_compile.assets import load_model, load_text
+    from oscar_compile.calibration.artifacts import load_artifacts
+
+    model, tok = load_model(a.model)
+    model.eval()
+    ids = torch.tensor(tok(load_text("wikipedia"))["input_ids"][:a.context])[None]
+    art = load_artifacts(a.artifact)
+    acts = capture(model, ids)
+    if a.q_text != "same":
+        calib = capture(model, torch.tensor(tok(load_text(a.q_text))["input_ids"][:a.context])[None])
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    rows = []
+    for layer in sorted(acts):
+        if layer in art.sliding_windows:
+            continue
+        q, k, v = acts[layer]
+        _, hq, t, d = q.shape
+        h = k.shape[1]
+        g = hq // h
+        pre = getattr(cfg, "query_pre_attn_scalar", None)
+        scale = pre**-0.5 if pre else d**-0.5
+        tr = art.layer_transforms(layer, h, d)
+        kt = torch.einsum("htd,hde->hte", k[0].float() - tr.key_mean[:, None], tr.key_transform)
+        vt = torch.einsum("htd,hde->hte", v[0].float() - tr.value_mean[:, None], tr.value_transform)
+        qt = torch.einsum("hgtd,hde->hgte", q[0].float().reshape(h, g, t, d), tr.query_transform)
+        fit = t - a.queries - a.window  # Q from queries none of the measured ones is
+        n = (t - a.sinks) // a.page
+        for head in range(h):
+            if a.q_text == "same":
+                qfit = qt[head, :, a.sinks:fit].reshape(-1, d).double()
+            else:
+                qc = calib[layer][0][0].float().reshape(h, g, -1, d)[head]
+                qfit = torch.einsum("gtd,de->gte", qc, tr.query_transform[head])[:, a.sinks:].reshape(-1, d).double()
+            Q = qfit.T @ qfit / qfit.shape[0]
+            ev = torch.linalg.eigvalsh(Q).clamp_min(1e-12)
+            bound = float(ev.mean() / ev.log().mean().exp())
+            pages = kt[head, a.sinks:a.sinks + n * a.page].unflatten(0, (n, a.page))
+            res = {}
+            for name, order in (("basis order", torch.arange(d)), ("by Q diagonal", torch.argsort(Q.diagonal(), descending=True))):
+                Qo = Q[order][:, order]
+                Qo = Qo + a.damp * Qo.diagonal().mean() * torch.eye(d, dtype=Qo.dtype)
+                hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(Qo)), upper=True).float()
+                res[name] = round_feedback(pages, hinv, order)
+            res = {"plain": round_plain(pages), **res}
+            errs = {}
+            for name, kp in res.items():
+                kq = kt[head].clone()
+                kq[a.sinks:a.sinks + n * a.page] = kp.flatten(0, 1)
+                errs[name] = key_output_error(qt[head, :, t - a.queries:], kt[head], kq, vt[head], scale, a.sinks, a.window)
+            row = {"layer": layer, "head": head, "high_rate_gain_bound": round(bound, 3),
+                   **{f"key_error_{k.replace(' ', '_')}": round(e, 4) for k, e in errs.items()}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps({"model": a.model, "context": a.context, "artifact": a.artifact,
+                                           "page": a.page, "window": a.window, "sinks": a.sinks, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
