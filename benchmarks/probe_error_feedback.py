@@ -128,7 +128,8 @@ def main():
             bound = float(ev.mean() / ev.log().mean().exp())
             pages = kt[head, a.sinks:a.sinks + n * a.page].unflatten(0, (n, a.page))
             res = {}
-            for name, order in (("basis order", torch.arange(d)), ("by Q diagonal", torch.argsort(Q.diagonal(), descending=True))):
+            orders = (("basis order", torch.arange(d)), ("by Q diagonal", torch.argsort(Q.diagonal(), descending=True)))
+            for name, order in orders:
                 Qo = Q[order][:, order]
                 Qo = Qo + a.damp * Qo.diagonal().mean() * torch.eye(d, dtype=Qo.dtype)
                 hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(Qo)), upper=True).float()
@@ -138,14 +139,16 @@ def main():
             for name, kp in res.items():
                 kq = kt[head].clone()
                 kq[a.sinks:a.sinks + n * a.page] = kp.flatten(0, 1)
-                errs[name] = key_output_error(qt[head, :, t - a.queries:], kt[head], kq, vt[head], scale, a.sinks, a.window)
+                errs[name] = key_output_error(qt[head, :, t - a.queries:], kt[head], kq, vt[head], scale, a.sinks,
+                                              a.window)
             row = {"layer": layer, "head": head, "high_rate_gain_bound": round(bound, 3),
                    **{f"key_error_{k.replace(' ', '_')}": round(e, 4) for k, e in errs.items()}}
             rows.append(row)
             print(json.dumps(row), flush=True)
     if a.out:
-        Path(a.out).write_text(json.dumps({"model": a.model, "context": a.context, "artifact": a.artifact,
-                                           "page": a.page, "window": a.window, "sinks": a.sinks, "rows": rows}, indent=1))
+        meta = {"model": a.model, "context": a.context, "artifact": a.artifact, "q_text": a.q_text, "page": a.page,
+                "window": a.window, "sinks": a.sinks}
+        Path(a.out).write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

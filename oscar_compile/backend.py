@@ -134,7 +134,9 @@ class BackendOptions:
     # error pushed onto the channels after it, weighted by the calibration queries' second moment), so the scores
     # lose less for the same bits. Needs an artifact calibrated since 2026-12-06 (Artifacts.has_key_feedback).
     # Probe (Gemma 3 270M, 8K, factor from the calibration text): the attention output's key error 0.145 -> 0.099,
-    # 0.092 -> 0.066, 0.065 -> 0.044 in its three full layers. Off until measured end to end.
+    # 0.092 -> 0.066, 0.065 -> 0.044 in its three full layers. With key_page_clips="auto" it takes the page range
+    # ratios the long-context check chose for keys rounded so (Artifacts.feedback_page_clips). Off until measured
+    # end to end.
     key_feedback: bool = False
 
 
@@ -163,13 +165,16 @@ def _layer_map(value, valid, what: str, who: str) -> dict:
     return dict(value)
 
 
-def resolve_key_page_clips(clips, artifacts=None, who: str = "oscar_backend") -> dict:
+def resolve_key_page_clips(clips, artifacts=None, who: str = "oscar_backend", feedback: bool = False) -> dict:
     """``{layer: page range ratio}`` from the ``key_page_clips`` option: a dict (checked), "auto" (the default: the
     artifact's ``key_page_clips``, none without one) or None (none: every channel's full range)."""
     if clips is None:
         return {}
     if clips == "auto":
-        return dict(artifacts.key_page_clips) if artifacts is not None else {}
+        if artifacts is None:
+            return {}
+        # keys rounded with error feedback: the ratios the check chose for them, where it did
+        return dict((feedback and getattr(artifacts, "feedback_page_clips", None)) or artifacts.key_page_clips)
     ratio = lambda r: isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 < r <= 1.0  # noqa: E731
     clips = _layer_map(clips, ratio, "key_page_clips maps layer indices to ratios in (0, 1] (or is 'auto' or None)",
                        who)
@@ -212,7 +217,6 @@ class OscarBackend:
             self.options.layer_group_sizes or {}, lambda g: isinstance(g, int) and not isinstance(g, bool) and g > 0,
             "layer_group_sizes maps layer indices to group sizes (ints > 0)", "oscar_backend")
         self.options.layer_key_formats = resolve_layer_key_formats(self.options.layer_key_formats, artifacts)
-        self.options.key_page_clips = resolve_key_page_clips(self.options.key_page_clips, artifacts)
         if not isinstance(self.options.key_feedback, bool):
             raise ValueError(f"oscar_backend: key_feedback is True or False, got {self.options.key_feedback!r}")
         if self.options.key_feedback and self.options.key_format != "channel":
@@ -222,6 +226,8 @@ class OscarBackend:
             raise ValueError("oscar_backend: key_feedback=True needs an artifact with its error-feedback factors "
                              + ("(none was given)" if artifacts is None else
                                 "(this one was calibrated before 2026-12-06: recalibrate)"))
+        self.options.key_page_clips = resolve_key_page_clips(self.options.key_page_clips, artifacts,
+                                                             feedback=self.options.key_feedback)
         self.artifacts = artifacts
         if self.options.sliding_windows is None and artifacts is not None and artifacts.sliding_windows:
             self.options.sliding_windows = artifacts.sliding_windows  # recorded at calibration

@@ -260,6 +260,11 @@ def test_backend_with_channel_keys_equals_the_ops_called_directly():
     checked = SimpleNamespace(key_page_clips={0: 0.8, 1: 0.9})
     assert resolve_key_page_clips(BackendOptions.key_page_clips, checked) == {0: 0.8, 1: 0.9}
     assert resolve_key_page_clips(None, checked) == {}
+    # keys rounded with error feedback: the ratios the check chose for them, where it chose any
+    fed = SimpleNamespace(key_page_clips={0: 0.8, 1: 0.9}, feedback_page_clips={0: 1.0, 1: 0.7})
+    assert resolve_key_page_clips("auto", fed, feedback=True) == {0: 1.0, 1: 0.7}
+    assert resolve_key_page_clips("auto", fed) == {0: 0.8, 1: 0.9}
+    assert resolve_key_page_clips("auto", checked, feedback=True) == {0: 0.8, 1: 0.9}
     for bad in ({0: 0.0}, {0: 1.5}, {-1: 0.9}, {0: True}, "all", [0.9]):
         with pytest.raises(ValueError, match="key_page_clips"):
             oscar_backend(key_page_clips=bad)

@@ -85,6 +85,12 @@ class Artifacts:
         return {i: float(r) for i, r in enumerate(self.calibration.get("key_page_clips") or ()) if r is not None}
 
     @property
+    def feedback_page_clips(self) -> dict[int, float]:
+        """``{layer: ratio}``: the page range ratios the long-context check chose for keys rounded with error
+        feedback (the backend's ``key_page_clips="auto"`` with ``key_feedback=True``); empty if not checked so."""
+        return {i: float(r) for i, r in enumerate(self.calibration.get("feedback_page_clips") or ()) if r is not None}
+
+    @property
     def has_key_feedback(self) -> bool:
         """Whether every layer carries its error-feedback factor (``LayerTransforms.key_feedback``; the backend's
         ``key_feedback`` option needs it): artifacts calibrated since 2026-12-06."""
@@ -246,6 +252,13 @@ class Artifacts:
             lines.append(f"long-context check on {cal.get('check_tokens')} tokens in sequences of "
                          f"{cal.get('check_seq_len')}: worst layer {worst} ({check[worst][0]:.3f} / {check[worst][1]:.3f}); "
                          f"kept in BF16: {list(self.bf16_layers) or 'none'}")
+            plain, fed = cal.get("check_page_clip_key_error"), cal.get("check_feedback_key_error")
+            pairs = [(a, b) for a, b in zip(plain or (), fed or ()) if a is not None and b is not None]
+            if pairs:  # what key_feedback=True would store, against the default, on the check's tokens
+                better = sum(b < a for a, b in pairs)
+                lines.append(f"keys with error feedback (key_feedback=True): lower key error in {better} of "
+                             f"{len(pairs)} layers, summed squares {sum(a * a for a, _ in pairs):.3f} -> "
+                             f"{sum(b * b for _, b in pairs):.3f}")
         return "\n".join(lines)
 
 

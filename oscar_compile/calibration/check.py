@@ -65,7 +65,9 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
     ranges, the larger errors (the evaluated artifacts chose their BF16 layers so). It also measures each layer's
     keys per token (``check_token_key_error``) and lists the layers where that error is below ``TOKEN_KEY_RATIO``
     times the per-channel one (``token_key_layers``): what the backend's ``layer_key_formats="auto"`` keeps per
-    token."""
+    token. Where the artifact carries error-feedback factors, it also chooses each layer's page range ratio for keys
+    rounded with them (``feedback_page_clips``, what ``key_feedback=True`` stores with ``key_page_clips="auto"``) and
+    records the key error there (``check_feedback_key_error``)."""
     from ..backend import BackendOptions, resolve_page_size
     from .tracer import run_observed
 
@@ -93,6 +95,7 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
     group = artifacts.options.get("group_size")
     sliding = artifacts.sliding_windows  # kept as exact BF16 rings by the backend: never INT2, not candidates
     errors, token_key_errors, page_clips, clipped_key_errors = [], {}, [], []
+    feedback_clips, feedback_key_errors = [], []  # with error feedback: each layer's own best ratio, its error
     grid = tuple(r for r in PAGE_CLIP_GRID if r < 1.0) if key_page else ()
     for layer, tr in enumerate(artifacts.layers):
         h = observer.heldout.pop(layer)  # long sequences' activations: free them as we go
@@ -100,17 +103,27 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
             errors.append(None)
             page_clips.append(None)
             clipped_key_errors.append(None)
+            feedback_clips.append(None)
+            feedback_key_errors.append(None)
             continue
         # with per-channel keys, the same keys per token too (where they do clearly better, layer_key_formats="auto"
-        # keeps them so) and per channel at each narrower page range, all on one set of attention weights
+        # keeps them so), per channel at each narrower page range and, where the artifact has its factors, rounded
+        # with error feedback at every ratio: all on one set of attention weights
+        fed = key_page and tr.key_feedback is not None
         key, value, *rest = (round(e, 4) for e in relative_errors(
             h.q, h.k, h.v, tr, group, num_sinks, window, key_page, other_key_pages=(0,) if key_page else (),
-            page_clips=grid))
+            page_clips=grid, feedback_clips=(1.0, *grid) if fed else ()))
         if key_page:
             token_key_errors[layer] = rest[0]
-            ratio, clipped = min(zip((1.0, *grid), (key, *rest[1:])), key=lambda rk: rk[1])  # ties: the wider range
-            page_clips.append(ratio)
-            clipped_key_errors.append(clipped)
+            clipped = rest[1:1 + len(grid)]
+            i = min(range(len(grid) + 1), key=lambda j: (key, *clipped)[j])  # ties: the wider range
+            page_clips.append((1.0, *grid)[i])
+            clipped_key_errors.append((key, *clipped)[i])
+            # with error feedback the best ratio may differ (feedback moves values toward the range's ends): its own
+            fb = rest[1 + len(grid):] if fed else ()
+            j = min(range(len(fb)), key=lambda j: fb[j]) if fed else None
+            feedback_clips.append((1.0, *grid)[j] if fed else None)
+            feedback_key_errors.append(fb[j] if fed else None)
         errors.append([key, value])
     chosen = select_bf16_layers(errors, factor, floor, max_layers)
     token_layers = sorted(layer for layer, e in token_key_errors.items()
@@ -122,4 +135,6 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
         cal.update(check_token_key_error=[token_key_errors.get(i) for i in range(len(errors))],
                    token_key_layers=token_layers, key_page_clips=page_clips,
                    check_page_clip_key_error=clipped_key_errors)
+        if any(r is not None for r in feedback_clips):
+            cal.update(feedback_page_clips=feedback_clips, check_feedback_key_error=feedback_key_errors)
     return dataclasses.replace(artifacts, calibration=cal)

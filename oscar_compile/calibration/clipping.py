@@ -31,15 +31,18 @@ def round_trip(x: torch.Tensor, clip: float | None, group_size: int | None) -> t
 PAGE_CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 
 
-def round_trip_pages(x: torch.Tensor, page: int, start: int = 0, clip: float | None = None) -> torch.Tensor:
+def round_trip_pages(x: torch.Tensor, page: int, start: int = 0, clip: float | None = None,
+                     feedback: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., T, d]`` with its whole pages of ``page`` tokens from ``start`` on quantized per channel over each
     page (the cache's ``key_format="channel"``; ``clip``: the page range ratio, see ``quantize_int2_channels``); the
-    tokens before ``start`` and those of a last, partial page (still in the cache's ring) stay exact."""
+    tokens before ``start`` and those of a last, partial page (still in the cache's ring) stay exact.
+    ``feedback``: ``[H, d, d]`` error-feedback factors (``x`` is ``[B, H, T, d]``), the backend's ``key_feedback``."""
     n = (x.shape[-2] - start) // page
     if n <= 0:
         return x.clone()
     pages = x[..., start:start + n * page, :].unflatten(-2, (n, page))
-    codes, scale, mn = quantize_int2_channels(pages, clip_ratio=clip)
+    fb = None if feedback is None else feedback[:, None]  # [H, 1, d, d]: broadcast over the pages of each head
+    codes, scale, mn = quantize_int2_channels(pages, clip_ratio=clip, feedback=fb)
     deq = dequantize_int2(codes, scale.unsqueeze(-2), mn.unsqueeze(-2), group_size=1)  # a group a channel
     out = x.clone()
     out[..., start:start + n * page, :] = deq.flatten(-3, -2)
@@ -142,8 +145,9 @@ def key_output_errors(probs, q, k, v, tr: LayerTransforms, formats, group_size=N
     future = ~_causal(t, 0, q.device)
     vf = v.float()
     out = []
-    for key_page, clip in formats:
-        kq = round_trip_pages(kt, key_page, skip, clip) if key_page else round_trip(kt, clip, group_size)
+    for key_page, clip, *feedback in formats:  # (page, clip) or (page, clip, error-feedback factors)
+        kq = (round_trip_pages(kt, key_page, skip, clip, *feedback) if key_page
+              else round_trip(kt, clip, group_size))
         if skip:
             kq[:, :, :skip] = kt[:, :, :skip]  # sink tokens stay in BF16
         # q'.k_hat' is q.k_hat less q.mu_k, the same for every key of a query: softmax ignores it
@@ -163,16 +167,21 @@ def lower_medians(errors) -> list[float]:
 
 
 def relative_errors(heldout_q, heldout_k, heldout_v, tr: LayerTransforms, group_size=None, skip: int = 0,
-                    window: int = 0, key_page: int = 0, other_key_pages: tuple = (), page_clips: tuple = ()) -> tuple:
+                    window: int = 0, key_page: int = 0, other_key_pages: tuple = (), page_clips: tuple = (),
+                    feedback_clips: tuple = ()) -> tuple:
     """Held-out relative RMS errors of a layer's attention output with INT2 keys (values exact) and with INT2
     values (keys exact) at its clip ratios: what the calibration records per layer so that a layer whose keys or
     values do not survive 2 bits stands out. ``skip`` sinks and each query's last ``window`` keys stay exact
     (0: every key but the sinks is INT2); ``key_page``: keys per channel over pages (:func:`key_output_error`).
     ``other_key_pages``: the key error in other key formats too, appended, on the same attention weights.
     ``page_clips``: with per-channel keys, the key error at each of these page range ratios, appended after those
-    (``tr.key_clip`` is the per-token clip: per-channel keys are measured at ratio 1 unless given here)."""
+    (``tr.key_clip`` is the per-token clip: per-channel keys are measured at ratio 1 unless given here).
+    ``feedback_clips``: with per-channel keys and ``tr.key_feedback``, the key error rounded with error feedback at
+    each of these page range ratios, appended last."""
     formats = [(page, tr.key_clip if not page else 1.0) for page in (key_page, *other_key_pages)]
     formats += [(key_page, r) for r in (page_clips if key_page else ())]
+    if key_page and tr.key_feedback is not None:
+        formats += [(key_page, r, tr.key_feedback) for r in feedback_clips]
     ke, ve, energy = [0.0] * len(formats), 0.0, 0.0
     for q, k, v in zip(heldout_q, heldout_k, heldout_v):
         probs = attention_probs(q, k)

@@ -180,8 +180,8 @@ def check_clip(name: str, ratio: float) -> None:
         _fail(f"{name} must be in (0, 1] (1 = no clipping), got {ratio}")
 
 
-def check_store(k, v, positions, cache_tensors, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip,
-                key_feedback=None):
+def check_store(k, v, positions, cache_tensors, key_transform, key_mean, value_transform, value_mean, key_clip,
+                value_clip, key_feedback=None):
     geo = check_cache(*cache_tensors)
     if k.dim() != 4 or k.shape != v.shape:
         _fail(f"k and v must both be [batch, kv_heads, tokens, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")

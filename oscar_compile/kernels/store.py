@@ -175,8 +175,8 @@ def store_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-PyTorch ``oscar::store`` (the CPU implementation and the test oracle). ``k, v``: ``[B, H, T, d]``."""
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
-    geo = check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip,
-                      key_feedback)
+    geo = check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip,
+                      value_clip, key_feedback)
     b, _, t, _ = k.shape
     pos = positions.long().expand(b, t) if positions.dim() == 1 else positions.long()
     kt = transform_rows(k, key_transform, key_mean)

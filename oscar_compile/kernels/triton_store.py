@@ -374,8 +374,8 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
                  key_transform, key_mean, value_transform, value_mean, key_clip, value_clip, key_feedback=None):
     """Triton ``oscar::store`` (same arguments and results as :func:`store_reference`)."""
     cache = (k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring, block_table)
-    geo = check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip, value_clip,
-                      key_feedback)
+    geo = check_store(k, v, positions, cache, key_transform, key_mean, value_transform, value_mean, key_clip,
+                      value_clip, key_feedback)
     b, h, t, d = k.shape
     same_meta = geo.key_channel or v_meta.stride() == k_meta.stride()  # per-channel key metadata: its own strides
     if (v_codes.stride() != k_codes.stride() or not same_meta or v_sink.stride() != k_sink.stride()

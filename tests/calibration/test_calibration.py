@@ -279,6 +279,19 @@ def test_long_context_check_records_errors_and_the_backend_keeps_its_layers(tmp_
     for layer in (0, 1):
         assert clipped[layer] < errs[layer][0] if clips[layer] < 1.0 else clipped[layer] == errs[layer][0]
     assert any(r < 1.0 for r in clips.values())  # random tiny-model keys: some page range narrows
+    # ...and, for keys rounded with error feedback (key_feedback=True), each layer's own ratio and its key error; none
+    # where the artifact has no factors, whose other choices stay the same; the summary reports the comparison
+    from dataclasses import replace
+
+    fed = checked.calibration["check_feedback_key_error"]
+    assert len(fed) == 2 and all(e > 0 for e in fed)  # (this tiny model's queries are near isotropic: little gain)
+    fed_clips = checked.feedback_page_clips
+    assert set(fed_clips) == {0, 1} and all(r in PAGE_CLIP_GRID for r in fed_clips.values())
+    assert "keys with error feedback" in checked.summary()
+    unfed = replace(art, layers=[replace(t, key_feedback=None) for t in art.layers])
+    unfed_checked = check_layers(model, unfed, long, num_sinks=2, window=8, progress=False)
+    assert "check_feedback_key_error" not in unfed_checked.calibration and unfed_checked.feedback_page_clips == {}
+    assert unfed_checked.key_page_clips == checked.key_page_clips  # the choices without feedback do not change
     # ...and the same keys per token, for layer_key_formats="auto": the layers where per token is clearly better
     token_key = checked.calibration["check_token_key_error"]
     assert len(token_key) == 2 and all(e > 0 for e in token_key)
