@@ -25,40 +25,23 @@ from pathlib import Path
 
 import torch
 
-from probe_layer_error import capture
+from probe_layer_error import capture, load_probe, score_scale, text_ids
 
 
-def channel_grid(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per channel over each page (``pages [..., n, page, d]``): INT2 minimum and step at full range, float32 as the
-    cache rounds them (fp16 metadata)."""
-    mn, mx = pages.amin(-2, keepdim=True), pages.amax(-2, keepdim=True)
-    step = ((mx - mn) / 3).half().float()
-    return mn.half().float(), step
+def round_pages(kt: torch.Tensor, page: int, sinks: int, moment=None, order=None, damp: float = 0.01):
+    """``kt [T, d]`` (one head) with its whole pages after the sinks rounded per channel at full ranges, as the cache
+    rounds them (:func:`round_trip_pages`): to nearest without ``moment``, else with error feedback for queries of that
+    second moment (:func:`feedback_factor`), the channels taken in ``order`` (default: the basis order)."""
+    from oscar_compile.calibration.clipping import round_trip_pages
+    from oscar_compile.quant import feedback_factor
 
-
-def round_plain(pages: torch.Tensor) -> torch.Tensor:
-    mn, step = channel_grid(pages)
-    inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
-    return mn + torch.floor((pages - mn) * inv + 0.5).clamp(0, 3) * step
-
-
-def round_feedback(pages: torch.Tensor, hinv_chol: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """GPTQ's column loop over channels (in ``order``), each token of each page its own row; the grid is each
-    channel's full range over the page before feedback (what a store kernel sees), out-of-range values take the end
-    codes. ``hinv_chol``: upper Cholesky factor of ``Q^-1`` in that order."""
-    mn, step = channel_grid(pages)
-    inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
-    w = pages[..., order].clone()
-    mn, step, inv = mn[..., order], step[..., order], inv[..., order]
-    out = torch.empty_like(w)
-    for i in range(w.shape[-1]):
-        qi = mn[..., i] + torch.floor((w[..., i] - mn[..., i]) * inv[..., i] + 0.5).clamp(0, 3) * step[..., i]
-        out[..., i] = qi
-        err = (w[..., i] - qi) / hinv_chol[i, i]
-        w[..., i + 1:] -= err[..., None] * hinv_chol[i, i + 1:]
-    back = torch.empty_like(out)
-    back[..., order] = out
-    return back
+    if moment is None:
+        return round_trip_pages(kt[None], page, sinks)[0]
+    order = torch.arange(kt.shape[-1]) if order is None else order
+    factor = feedback_factor(moment[order][:, order], damp)
+    out = torch.empty_like(kt)
+    out[:, order] = round_trip_pages(kt[None, :, order], page, sinks, feedback=factor[None])[0]
+    return out
 
 
 def key_output_error(qt, kt, kq, vt, scale, sinks, window) -> float:
@@ -90,17 +73,9 @@ def main():
                     "'same': the first part of the measured sequence")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from oscar_compile.assets import load_model, load_text
-    from oscar_compile.calibration.artifacts import load_artifacts
-
-    model, tok = load_model(a.model)
-    model.eval()
-    ids = torch.tensor(tok(load_text("wikipedia"))["input_ids"][:a.context])[None]
-    art = load_artifacts(a.artifact)
-    acts = capture(model, ids)
+    model, tok, art, acts, cfg = load_probe(a.model, a.artifact, a.context)
     if a.q_text != "same":
-        calib = capture(model, torch.tensor(tok(load_text(a.q_text))["input_ids"][:a.context])[None])
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        calib = capture(model, text_ids(tok, a.q_text, a.context))
     rows = []
     for layer in sorted(acts):
         if layer in art.sliding_windows:
@@ -109,14 +84,12 @@ def main():
         _, hq, t, d = q.shape
         h = k.shape[1]
         g = hq // h
-        pre = getattr(cfg, "query_pre_attn_scalar", None)
-        scale = pre**-0.5 if pre else d**-0.5
+        scale = score_scale(cfg, d)
         tr = art.layer_transforms(layer, h, d)
         kt = torch.einsum("htd,hde->hte", k[0].float() - tr.key_mean[:, None], tr.key_transform)
         vt = torch.einsum("htd,hde->hte", v[0].float() - tr.value_mean[:, None], tr.value_transform)
         qt = torch.einsum("hgtd,hde->hgte", q[0].float().reshape(h, g, t, d), tr.query_transform)
         fit = t - a.queries - a.window  # Q from queries none of the measured ones is
-        n = (t - a.sinks) // a.page
         for head in range(h):
             if a.q_text == "same":
                 qfit = qt[head, :, a.sinks:fit].reshape(-1, d).double()
@@ -126,21 +99,12 @@ def main():
             Q = qfit.T @ qfit / qfit.shape[0]
             ev = torch.linalg.eigvalsh(Q).clamp_min(1e-12)
             bound = float(ev.mean() / ev.log().mean().exp())
-            pages = kt[head, a.sinks:a.sinks + n * a.page].unflatten(0, (n, a.page))
-            res = {}
-            orders = (("basis order", torch.arange(d)), ("by Q diagonal", torch.argsort(Q.diagonal(), descending=True)))
-            for name, order in orders:
-                Qo = Q[order][:, order]
-                Qo = Qo + a.damp * Qo.diagonal().mean() * torch.eye(d, dtype=Qo.dtype)
-                hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(Qo)), upper=True).float()
-                res[name] = round_feedback(pages, hinv, order)
-            res = {"plain": round_plain(pages), **res}
-            errs = {}
-            for name, kp in res.items():
-                kq = kt[head].clone()
-                kq[a.sinks:a.sinks + n * a.page] = kp.flatten(0, 1)
-                errs[name] = key_output_error(qt[head, :, t - a.queries:], kt[head], kq, vt[head], scale, a.sinks,
-                                              a.window)
+            rounded = {"plain": round_pages(kt[head], a.page, a.sinks),
+                       "basis order": round_pages(kt[head], a.page, a.sinks, Q, damp=a.damp),
+                       "by Q diagonal": round_pages(kt[head], a.page, a.sinks, Q,
+                                                    torch.argsort(Q.diagonal(), descending=True), a.damp)}
+            errs = {name: key_output_error(qt[head, :, t - a.queries:], kt[head], kq, vt[head], scale, a.sinks,
+                                           a.window) for name, kq in rounded.items()}
             row = {"layer": layer, "head": head, "high_rate_gain_bound": round(bound, 3),
                    **{f"key_error_{k.replace(' ', '_')}": round(e, 4) for k, e in errs.items()}}
             rows.append(row)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from probe_layer_error import capture
+from probe_layer_error import load_probe, score_scale
 
 
 def per_channel_round_trip(k: torch.Tensor, tokens: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,26 +112,15 @@ def main():
     ap.add_argument("--offset", type=int, default=0, help="first token of the sequence in the evaluation text")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from oscar_compile.assets import load_model, load_text
-    from oscar_compile.calibration.artifacts import load_artifacts
-
-    model, tok = load_model(a.model)
-    model.eval()
-    ids = torch.tensor(tok(load_text("wikipedia"))["input_ids"][a.offset:a.offset + a.context])[None]
-    if ids.shape[1] < a.context:
-        raise SystemExit(f"probe: the evaluation text has only {ids.shape[1]} tokens from offset {a.offset}")
-    art = load_artifacts(a.artifact)
-    acts = capture(model, ids)
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    _, _, art, acts, cfg = load_probe(a.model, a.artifact, a.context, a.offset)
     rows = []
     for layer in sorted(acts):
         if layer in art.sliding_windows:
             continue
         q, k, _ = acts[layer]
         d = q.shape[-1]
-        pre = getattr(cfg, "query_pre_attn_scalar", None)
-        scale = pre**-0.5 if pre else d**-0.5
-        r = key_noise(q, k, art.layer_transforms(layer, k.shape[1], d), scale, a.sinks, a.window, a.queries)
+        r = key_noise(q, k, art.layer_transforms(layer, k.shape[1], d), score_scale(cfg, d), a.sinks, a.window,
+                      a.queries)
         rows.append({"layer": layer, **r})
         print(f"layer {layer:2d}  INT2 share {r['int2_share_exact']:.3f}  " + " | ".join(
             f"{n} ({v['bits']:.2f} b): noise {v['score_noise_sd']:.3f}, best kept {v['best_key_kept']:.2f}, share {v['int2_share']:.3f}"

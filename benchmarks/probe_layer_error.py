@@ -41,6 +41,37 @@ def capture(model, ids: torch.Tensor) -> dict:
     return {layer: (h.q[0], h.k[0], h.v[0]) for layer, h in obs.heldout.items()}
 
 
+def text_ids(tok, text: str, context: int, offset: int = 0) -> torch.Tensor:
+    """``[1, context]`` token ids of a packaged text from token ``offset`` on; exits if the text is too short."""
+    from oscar_compile.assets import load_text
+
+    ids = torch.tensor(tok(load_text(text))["input_ids"][offset:offset + context])[None]
+    if ids.shape[1] < context:
+        raise SystemExit(f"probe: {text} has only {ids.shape[1]} tokens from offset {offset}")
+    return ids
+
+
+def load_probe(model_name: str, artifact, context: int, offset: int = 0):
+    """What every probe starts from: ``(model, tokenizer, artifacts, {layer: (q, k, v)} of ``context`` Wikipedia
+    tokens from ``offset``, the model's text config)``."""
+    from oscar_compile.assets import load_model
+    from oscar_compile.calibration.artifacts import load_artifacts
+
+    model, tok = load_model(model_name)
+    model.eval()
+    art = load_artifacts(artifact)
+    acts = capture(model, text_ids(tok, "wikipedia", context, offset))
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return model, tok, art, acts, cfg
+
+
+def score_scale(cfg, d: int) -> float:
+    """The attention's score scale: ``query_pre_attn_scalar ** -0.5`` where the model has one (Gemma), else
+    ``d ** -0.5``."""
+    pre = getattr(cfg, "query_pre_attn_scalar", None)
+    return pre**-0.5 if pre else d**-0.5
+
+
 def rope_inv_freq(model, layer_type: str | None) -> torch.Tensor:
     """The inverse RoPE frequencies of a layer type (``{type}_inv_freq`` buffer, else the model's ``inv_freq``)."""
     bufs = dict(model.named_buffers())
@@ -113,24 +144,14 @@ def main():
                     "of 32, the backend's default), comma-separated")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from oscar_compile.assets import load_model, load_text
-    from oscar_compile.calibration.artifacts import load_artifacts
-
-    model, tok = load_model(a.model)
-    model.eval()
-    ids = torch.tensor(tok(load_text("wikipedia"))["input_ids"][a.offset:a.offset + a.context])[None]
-    art = load_artifacts(a.artifact)
-    sliding = art.sliding_windows
-    acts = capture(model, ids)
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    model, _, art, acts, cfg = load_probe(a.model, a.artifact, a.context, a.offset)
     rows = []
     for layer in sorted(acts):
-        if layer in sliding:
+        if layer in art.sliding_windows:
             continue
         q, k, v = acts[layer]
         d = q.shape[-1]
-        scale = getattr(cfg, "query_pre_attn_scalar", None)
-        scale = scale**-0.5 if scale else d**-0.5
+        scale = score_scale(cfg, d)
         tr = art.layer_transforms(layer, k.shape[1], d)
         types = getattr(cfg, "layer_types", None)
         for shift in map(int, a.shifts.split(",")):

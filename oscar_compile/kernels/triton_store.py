@@ -105,7 +105,7 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
                     ii = tl.sum(tl.where(cols == i, inv, 0.0), axis=0)
                     qi = mi + tl.minimum(tl.maximum(tl.floor((xi - mi) * ii + 0.5), 0.0), 3.0) * si
                     u = tl.load(fb_ptr + h * D * D + i * D + cols)  # zero before the diagonal
-                    err = tl.div_rn(xi - qi, tl.sum(tl.where(cols == i, u, 0.0), axis=0))
+                    err = tl.div_rn(xi - qi, tl.load(fb_ptr + h * D * D + i * D + i))
                     later = (cols > i)[None, :]
                     y = tl.where(pick, qi[:, None], tl.where(later, y - err[:, None] * u[None, :], y))
             c = tl.floor((y - mn[None, :]) * inv[None, :] + 0.5)
