@@ -13,7 +13,7 @@
 #   2K (256 x 64) and 8K (64 x 128), retrieval at 24 prompts a length.
 # feedback: the default against the default with keys rounded by error feedback (`default:fb`, the backend's
 #   key_feedback=True), 2K (256 x 64), 8K (64 x 128) and, on Gemma 3, 32K (20 x 128), retrieval at 12 prompts a length
-#   (needs artifacts calibrated since 2026-12-06: they carry the feedback factors).
+#   (needs artifacts calibrated since 2026-12-06: they carry the feedback factors). CONTEXTS="8192" picks lengths.
 # heldout: a model none of the method's choices were made on (Qwen2.5-Coder-0.5B): every baseline at 2K (128 x 64),
 #   the default and its page range option at 8K (32 x 128), the default at 32K (10 x 128), retrieval at each length.
 # Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU)
@@ -83,8 +83,13 @@ for m in $MODELS; do
   case $1 in keys) keys $m 2048 256 64 & keys $m 8192 64 128 & ;; esac
   case $1 in ranges) ranges $m 2048 256 64 & ranges $m 8192 64 128 & ;; esac
   case $1 in feedback)  # the 32K run only where the model serves it (Gemma 3)
-    feedback $m 2048 256 64 & feedback $m 8192 64 128 &
-    [ $m = gemma3-270m ] && feedback $m 32768 20 128 & ;;
+    for c in ${CONTEXTS:-2048 8192 32768}; do
+      case $c in
+        2048) feedback $m 2048 256 64 & ;;
+        8192) feedback $m 8192 64 128 & ;;
+        32768) [ $m = gemma3-270m ] && feedback $m 32768 20 128 & ;;
+      esac
+    done ;;
   esac
   case $1 in
     probe) [ $m = gemma3-270m ] && $E "$(gguf_of $m)" --model $m --ppl-contexts 2048 --ppl-sequences 64 --ppl-decode 64 \
