@@ -137,7 +137,8 @@ class BackendOptions:
     # 0.092 -> 0.066, 0.065 -> 0.044 in its three full layers. With key_page_clips="auto" it takes the page range
     # ratios the long-context check chose for keys rounded so (Artifacts.feedback_page_clips). CPU perplexity
     # against the default (2026-12-06): -0.82% on SmolLM2 at 8K, -1.60% on Qwen2.5-Coder-0.5B at 2K (both held
-    # out), unresolved on Gemma 3; a prefill chunk's store costs 2.4-2.6x on the H100. Off until GPU perplexity.
+    # out), +0.28% / +0.36% (unresolved) on Gemma 3 at 2K / 8K; a prefill chunk's store costs 2.4-2.6x on the
+    # H100. Off until GPU perplexity settles Gemma 3.
     key_feedback: bool = False
 
 
