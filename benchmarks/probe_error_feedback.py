@@ -44,6 +44,13 @@ def round_pages(kt: torch.Tensor, page: int, sinks: int, moment=None, order=None
     return out
 
 
+def high_rate_gain_bound(moment: torch.Tensor) -> float:
+    """The most error feedback can gain for an error cost ``e^T M e`` (Gaussian, high rate): the arithmetic over the
+    geometric mean of ``M``'s eigenvalues."""
+    ev = torch.linalg.eigvalsh(moment).clamp_min(1e-12)
+    return float(ev.mean() / ev.log().mean().exp())
+
+
 def key_output_error(qt, kt, kq, vt, scale, sinks, window) -> float:
     """Relative RMS attention-output error of decode-style queries ``qt [g, Tq, d]`` (the last ones of the
     sequence) with keys ``kq`` where INT2 (not a sink, not in the query's last ``window``), values exact."""
@@ -97,8 +104,7 @@ def main():
                 qc = calib[layer][0][0].float().reshape(h, g, -1, d)[head]
                 qfit = torch.einsum("gtd,de->gte", qc, tr.query_transform[head])[:, a.sinks:].reshape(-1, d).double()
             Q = qfit.T @ qfit / qfit.shape[0]
-            ev = torch.linalg.eigvalsh(Q).clamp_min(1e-12)
-            bound = float(ev.mean() / ev.log().mean().exp())
+            bound = high_rate_gain_bound(Q)
             rounded = {"plain": round_pages(kt[head], a.page, a.sinks),
                        "basis order": round_pages(kt[head], a.page, a.sinks, Q, damp=a.damp),
                        "by Q diagonal": round_pages(kt[head], a.page, a.sinks, Q,

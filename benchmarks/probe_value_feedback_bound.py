@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from probe_error_feedback import high_rate_gain_bound
+
 
 def value_gram_bound(o_proj: torch.Tensor, value_transform: torch.Tensor, kv_head: int, group: int) -> tuple[float, float]:
     """``(high-rate gain bound, max/min of the diagonal)`` of ``H`` in the stored value basis of ``kv_head``."""
@@ -28,9 +30,8 @@ def value_gram_bound(o_proj: torch.Tensor, value_transform: torch.Tensor, kv_hea
     gram = sum(c.T @ c for c in cols)
     t_inv = torch.linalg.inv(value_transform[kv_head].double())
     h = t_inv @ gram @ t_inv.T
-    ev = torch.linalg.eigvalsh(h).clamp_min(1e-12)
     diag = h.diagonal()
-    return float(ev.mean() / ev.log().mean().exp()), float(diag.max() / diag.min())
+    return high_rate_gain_bound(h), float(diag.max() / diag.min())
 
 
 @torch.no_grad()

@@ -115,15 +115,15 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
             page_clips=grid, feedback_clips=(1.0, *grid) if fed else ()))
         if key_page:
             token_key_errors[layer] = rest[0]
-            clipped = rest[1:1 + len(grid)]
-            i = min(range(len(grid) + 1), key=lambda j: (key, *clipped)[j])  # ties: the wider range
-            page_clips.append((1.0, *grid)[i])
-            clipped_key_errors.append((key, *clipped)[i])
+            ratios = (1.0, *grid)
+            best = lambda errs: min(zip(ratios, errs), key=lambda re: re[1])  # noqa: E731 (ties: the wider range)
+            ratio, clipped = best((key, *rest[1:1 + len(grid)]))
+            page_clips.append(ratio)
+            clipped_key_errors.append(clipped)
             # with error feedback the best ratio may differ (feedback moves values toward the range's ends): its own
-            fb = rest[1 + len(grid):] if fed else ()
-            j = min(range(len(fb)), key=lambda j: fb[j]) if fed else None
-            feedback_clips.append((1.0, *grid)[j] if fed else None)
-            feedback_key_errors.append(fb[j] if fed else None)
+            ratio, clipped = best(rest[1 + len(grid):]) if fed else (None, None)
+            feedback_clips.append(ratio)
+            feedback_key_errors.append(clipped)
         errors.append([key, value])
     chosen = select_bf16_layers(errors, factor, floor, max_layers)
     token_layers = sorted(layer for layer, e in token_key_errors.items()
