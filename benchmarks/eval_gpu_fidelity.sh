@@ -11,8 +11,10 @@
 #   tokens (`default:c64`), 2K (256 x 64) and 8K (64 x 128), retrieval at 24 prompts a length.
 # ranges: per-channel keys with the check's page range ratios (`default:kr`) against full page ranges (`default`),
 #   2K (256 x 64) and 8K (64 x 128), retrieval at 24 prompts a length.
-# feedback: the default against the default with keys rounded by error feedback (`default:fb`, the backend's
-#   key_feedback=True), 2K (256 x 64), 8K (64 x 128) and, on Gemma 3, 32K (20 x 128), retrieval at 12 prompts a length
+# feedback: the default (keys rounded by error feedback where the artifact has its factors, since 2026-12-06) against
+#   plain rounding (`default:nofb`, the backend's key_feedback=False; the 2026-12-06 runs compared `default` before
+#   the switch, plain, with `default:fb`), 2K (256 x 64), 8K (64 x 128) and, on Gemma 3, 32K (20 x 128); Qwen2.5-Coder-0.5B at heldout's
+#   sizes (128 x 64, 32 x 128, 10 x 128); retrieval at 12 prompts a length
 #   (needs artifacts calibrated since 2026-12-06: they carry the feedback factors). CONTEXTS="8192" picks lengths.
 # heldout: a model none of the method's choices were made on (Qwen2.5-Coder-0.5B): every baseline at 2K (128 x 64),
 #   the default and its page range option at 8K (32 x 128), the default at 32K (10 x 128), retrieval at each length.
@@ -67,7 +69,7 @@ keys() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
 }
 feedback() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
   $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" \
-     --methods bf16,default,default:fb --retrieval-lengths "$2" --retrieval-samples 2 --out "$W" \
+     --methods bf16,default:nofb,default --retrieval-lengths "$2" --retrieval-samples 2 --out "$W" \
      --name "eval_$1_${CARD}_$(($2 / 1024))k_feedback" > "$W/$1_$2_feedback.log" 2>&1
 }
 heldout() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: methods
@@ -82,12 +84,15 @@ for m in $MODELS; do
   esac
   case $1 in keys) keys $m 2048 256 64 & keys $m 8192 64 128 & ;; esac
   case $1 in ranges) ranges $m 2048 256 64 & ranges $m 8192 64 128 & ;; esac
-  case $1 in feedback)  # the 32K run only where the model serves it (Gemma 3)
+  case $1 in feedback)  # the 32K run only where the model serves it (not SmolLM2); Qwen at heldout's sizes (bigger)
     for c in ${CONTEXTS:-2048 8192 32768}; do
-      case $c in
-        2048) feedback $m 2048 256 64 & ;;
-        8192) feedback $m 8192 64 128 & ;;
-        32768) [ $m = gemma3-270m ] && feedback $m 32768 20 128 & ;;
+      case $m:$c in
+        qwen*:2048) feedback $m 2048 128 64 & ;;
+        qwen*:8192) feedback $m 8192 32 128 & ;;
+        qwen*:32768) feedback $m 32768 10 128 & ;;
+        *:2048) feedback $m 2048 256 64 & ;;
+        *:8192) feedback $m 8192 64 128 & ;;
+        gemma*:32768) feedback $m 32768 20 128 & ;;
       esac
     done ;;
   esac

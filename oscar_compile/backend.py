@@ -132,14 +132,15 @@ class BackendOptions:
     score_debias: float = 0.0
     # Per-channel keys rounded with error feedback in the stored basis (quant.feedback_factor: each channel's rounding
     # error pushed onto the channels after it, weighted by the calibration queries' second moment), so the scores
-    # lose less for the same bits. Needs an artifact calibrated since 2026-12-06 (Artifacts.has_key_feedback).
-    # Probe (Gemma 3 270M, 8K, factor from the calibration text): the attention output's key error 0.145 -> 0.099,
-    # 0.092 -> 0.066, 0.065 -> 0.044 in its three full layers. With key_page_clips="auto" it takes the page range
-    # ratios the long-context check chose for keys rounded so (Artifacts.feedback_page_clips). CPU perplexity
-    # against the default (2026-12-06): -0.82% on SmolLM2 at 8K, -1.60% on Qwen2.5-Coder-0.5B at 2K (both held
-    # out), +0.28% / +0.36% (unresolved) on Gemma 3 at 2K / 8K; a prefill chunk's store costs 2.4-2.6x on the
-    # H100. Off until GPU perplexity settles Gemma 3.
-    key_feedback: bool = False
+    # lose less for the same bits. With key_page_clips="auto" it takes the page range ratios the long-context check
+    # chose for keys rounded so (Artifacts.feedback_page_clips). "auto" (default since 2026-12-06): on where the
+    # artifact carries the factors (calibrated since 2026-12-06, Artifacts.has_key_feedback) and keys are per
+    # channel, else off; True: on, refused without factors; False: off. On the H100 against plain rounding, same
+    # tokens (eval_*_h100_*k_feedback.json): SmolLM2 -0.09% (2K), -0.54% (8K, -1.02..-0.06); Qwen2.5-Coder-0.5B
+    # (held out) -0.31% (2K), +0.53% (8K, -0.12..+1.19), -1.47% (32K, -2.81..-0.11); Gemma 3 270M -0.21% (2K),
+    # -0.03% (8K), +0.02% (32K); pooled -0.16% (-0.29..-0.03); none worse beyond its interval. A prefill chunk's
+    # store costs 2.4-2.6x (4K tokens, 64 rows, H100); a decode step nothing measurable.
+    key_feedback: bool | str = "auto"
 
 
 DEFAULT_PAGE_SIZE = {"channel": 32, "token": 16}  # tokens a page, by key format (BackendOptions.page_size=None)
@@ -219,8 +220,11 @@ class OscarBackend:
             self.options.layer_group_sizes or {}, lambda g: isinstance(g, int) and not isinstance(g, bool) and g > 0,
             "layer_group_sizes maps layer indices to group sizes (ints > 0)", "oscar_backend")
         self.options.layer_key_formats = resolve_layer_key_formats(self.options.layer_key_formats, artifacts)
-        if not isinstance(self.options.key_feedback, bool):
-            raise ValueError(f"oscar_backend: key_feedback is True or False, got {self.options.key_feedback!r}")
+        if not (isinstance(self.options.key_feedback, bool) or self.options.key_feedback == "auto"):
+            raise ValueError(f"oscar_backend: key_feedback is 'auto', True or False, got {self.options.key_feedback!r}")
+        if self.options.key_feedback == "auto":  # on where the artifact carries its factors and keys are per channel
+            self.options.key_feedback = (self.options.key_format == "channel" and artifacts is not None
+                                         and artifacts.has_key_feedback)
         if self.options.key_feedback and self.options.key_format != "channel":
             raise ValueError("oscar_backend: key_feedback=True rounds keys stored per channel: it needs "
                              f"key_format='channel', got {self.options.key_format!r}")

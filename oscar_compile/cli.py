@@ -126,8 +126,12 @@ def _eval(args) -> int:
                 label += " narrowed page ranges"
             elif "key_page_clips" in read_options[n]:
                 label += " full page ranges"
-            if read_options[n].get("key_feedback"):
+            feedback = read_options[n].get("key_feedback", "auto")
+            if feedback is True or (feedback == "auto" and artifacts[n].has_key_feedback
+                                    and read_options[n].get("key_format", "channel") == "channel"):
                 label += " key feedback"
+            elif base[n] == "default" and artifacts[n].has_key_feedback:
+                label += " plain key rounding"
             if read_options[n].get("score_debias"):
                 label += f" debias {read_options[n]['score_debias']:g}"
             options.update(read_options[n])
@@ -246,7 +250,9 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     (the backend's layer_key_formats="auto"); "method:kr": per-channel keys over page ranges narrowed by the
     ratios the long-context check chose (the backend's key_page_clips="auto", the default since 2026-12-05);
     "method:kf": per-channel keys over every channel's full range in a page (key_page_clips=None);
-    "method:fb": per-channel keys rounded with error feedback (the backend's key_feedback=True);
+    "method:fb": per-channel keys rounded with error feedback (the backend's key_feedback=True; "auto", the default,
+    does so where the artifact carries the factors; the baselines identity, hadamard and oscar round plainly unless
+    tagged so); "method:nofb": plain rounding (key_feedback=False);
     "method:d" ("method:d0.5"): INT2 scores debiased by 1 (0.5) times half their rounding noise's variance (the
     backend's score_debias). The key-format, range and debias tags come back as each method's backend options."""
     from .backend import DEFAULT_PAGE_SIZE
@@ -257,7 +263,8 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
              "(e.g. g32.4-10.20) gives layers their own group size, ':c<tokens>' quantizes keys per channel over "
              "pages of that many tokens (the default: c32), ':t' per token, ':ka' per token in the layers the "
              "long-context check chose, ':kr' per channel over the check's narrowed page ranges (the default), ':kf' "
-             "over full page ranges, ':fb' rounds per-channel keys with error feedback, and ':d' "
+             "over full page ranges, ':fb' rounds per-channel keys with error feedback (the default's where the artifact "
+             "has its factors), ':nofb' plainly, and ':d' "
              "(':d<c>', c in (0, 4]) debiases INT2 scores (an oscar method only, e.g. default:L0:p2048:g32.7:c32:d)")
     for n in names:
         head, *tags = n.split(":")
@@ -271,10 +278,13 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         auto_tags = [t for t in tags if t == "ka"]  # per-token keys in the check's token_key_layers
         # per-channel keys over the check's narrowed page ranges (the default) or over full ranges
         range_tags = [t for t in tags if t in ("kr", "kf")]
-        feedback_tags = [t for t in tags if t == "fb"]  # per-channel keys rounded with error feedback
+        # per-channel keys rounded with error feedback (the default's, where the artifact has factors) or not
+        feedback_tags = [t for t in tags if t in ("fb", "nofb")]
         read_options[n] = {}
         if feedback_tags:
-            read_options[n]["key_feedback"] = True
+            read_options[n]["key_feedback"] = feedback_tags[0] == "fb"
+        elif base[n] in ("identity", "hadamard", "oscar"):
+            read_options[n]["key_feedback"] = False  # the baselines' recipes: no error feedback (ours)
         if range_tags:
             read_options[n]["key_page_clips"] = "auto" if range_tags[0] == "kr" else None
         if auto_tags:
@@ -289,7 +299,7 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
                 + len(auto_tags) + len(range_tags) + len(feedback_tags) != len(tags)
                 or len(position_tags) > 1 or len(channel_tags) > 1 or len(debias_tags) > 1 or len(auto_tags) > 1
                 or len(range_tags) > 1 or len(feedback_tags) > 1
-                or ((auto_tags or range_tags or feedback_tags) and channel_tags == ["t"])
+                or ((auto_tags or range_tags or feedback_tags == ["fb"]) and channel_tags == ["t"])
                 or (tags and base[n] in ("bf16", "kivi"))):
             raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, {usage}")
         try:

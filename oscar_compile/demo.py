@@ -165,29 +165,45 @@ def run_demo(model_name: str = "smollm2-135m", method: str = "default", calib_to
             ids = ids if torch.is_tensor(ids) else ids["input_ids"]
         else:  # a base model (Gemma 3 270M): plain text that the answer continues
             ids = tok(f"{prompt}\nAnswer:", return_tensors="pt").input_ids
-        outs = {}
+        outs, tokens, forced = {}, {}, {}
         for label, opts in (("bf16", {"quantize": False}), ("INT2", {})):
             torch._dynamo.reset()
             backend = oscar_backend(art, inductor=False, num_sinks=num_sinks, window=window, **opts)
             compiled = torch.compile(model, backend=backend)
-            cache = OscarCache(model, max_cache_len=ids.shape[1] + new_tokens + 1)
-            kw = {cache_kwarg(model): cache, "use_cache": True}
-            gen = []
-            with torch.no_grad():
-                logits = compiled(ids, **kw).logits[:, -1]
-                for _ in range(new_tokens):
+            kw = {cache_kwarg(model): None, "use_cache": True}
+
+            @torch.no_grad()
+            def decode(feed=None):
+                """Greedy tokens (``feed`` None) or BF16's fed back (teacher-forced): (tokens, NLL of each, top-1
+                agreements)."""
+                kw[cache_kwarg(model)] = OscarCache(model, max_cache_len=ids.shape[1] + new_tokens + 1)
+                logits, gen, nll, agree = compiled(ids, **kw).logits[:, -1], [], [], 0
+                for i in range(new_tokens if feed is None else len(feed)):
                     nxt = logits.argmax(-1, keepdim=True)
-                    if int(nxt) == tok.eos_token_id:
+                    if feed is not None:
+                        agree += int(nxt) == feed[i]
+                        nxt = nxt.new_tensor([[feed[i]]])
+                    elif int(nxt) == tok.eos_token_id:
                         break
+                    nll.append(-logits.log_softmax(-1)[0, int(nxt)].item())
                     gen.append(int(nxt))
                     logits = compiled(nxt, **kw).logits[:, -1]
-            outs[label] = tok.decode(gen, skip_special_tokens=True).strip()
+                return gen, nll, agree
+
+            tokens[label], forced[label], _ = decode()
+            outs[label] = tok.decode(tokens[label], skip_special_tokens=True).strip()
+            if label == "INT2" and tokens["bf16"]:  # one greedy sample flips at a near-tie and then diverges:
+                _, forced[label], agree = decode(tokens["bf16"])  # the INT2 cache fed BF16's answer says more
         # tokens in INT2 pages: those past the sinks and the window, in whole pages for per-channel keys
         quantized = max((c.quantized_tokens(ids.shape[1]) for c in backend.storage.values()), default=0)
         print(f"   prompt ({ids.shape[1]} tokens, {quantized} of them in INT2 pages when decoding starts):")
         print(f"     {template[:60].splitlines()[0]!r}")
         for label, text in outs.items():
             print(f"     {label:>4}: {text!r}")
+        if tokens["bf16"]:
+            n = len(tokens["bf16"])
+            print(f"     INT2 fed BF16's {n} tokens: its top token agrees at {agree}/{n} steps, "
+                  f"{sum(forced['INT2']) / n:.2f} nats/token against BF16's {sum(forced['bf16']) / n:.2f}")
 
     print(f"\n== 4. KV memory (one sequence, all layers, sinks {num_sinks} + window {window} in BF16; the cache's own report)")
     from .cache import PagedInt2KVCache

@@ -19,7 +19,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -181,6 +181,7 @@ class RetrievalPrompt:
     context_ids: torch.Tensor  # haystack with the needle, prefilled
     question_ids: torch.Tensor  # fed one token at a time
     answer: str
+    answer_ids: torch.Tensor | None = None  # the answer as it follows the question (" 12345"), teacher-forced
 
 
 def make_retrieval_prompt(tok, haystack: str, task: str, length: int, depth: float, rng: random.Random) -> RetrievalPrompt:
@@ -211,22 +212,45 @@ def make_retrieval_prompt(tok, haystack: str, task: str, length: int, depth: flo
         raise ValueError(f"oscar eval: the haystack text is too short for {length} tokens")
     cut = int(round(depth * len(hay)))
     ids = head + hay[:cut] + needle_ids + hay[cut:]
-    return RetrievalPrompt(task, length, depth, torch.tensor([ids]), torch.tensor([q_ids]), answer)
+    return RetrievalPrompt(task, length, depth, torch.tensor([ids]), torch.tensor([q_ids]), answer,
+                           torch.tensor([enc(" " + answer)]))
 
 
 @torch.no_grad()
-def retrieve(session: Session, prompt: RetrievalPrompt, tok, max_new: int = 8) -> tuple[bool, str]:
+def _ask(session: Session, prompt: RetrievalPrompt) -> torch.Tensor:
+    """Prefill the haystack, then the question one decode step a token (it reads the INT2 history): the logits
+    of the first answer token."""
     session(prompt.context_ids)
     logits = None
     for i in range(prompt.question_ids.shape[1]):
         logits = session(prompt.question_ids[:, i : i + 1])
-    out = []
+    return logits
+
+
+@torch.no_grad()
+def retrieve(session: Session, prompt: RetrievalPrompt, tok, max_new: int = 8) -> tuple[bool, str, float | None]:
+    """Greedy answer to ``prompt`` from a fresh ``session``: (whether it holds the answer, the text, the answer's
+    teacher-forced NLL in nats). The NLL (``-log p(answer | prompt)`` over ``answer_ids``) is the continuous
+    measure a right-or-wrong answer hides: a method that keeps every answer but halves their probability is
+    closer to losing some. It comes from the greedy steps where they spell the answer; otherwise the prompt is
+    asked again and the answer fed (one more prefill). None without ``answer_ids``."""
+    logits = _ask(session, prompt)
+    target = [] if prompt.answer_ids is None else prompt.answer_ids[0].tolist()
+    out, nll = [], 0.0
     for _ in range(max_new):
         nxt = logits.argmax(-1, keepdim=True)
+        if len(out) < len(target) and out == target[:len(out)]:  # still on the answer's path
+            nll += torch.nn.functional.cross_entropy(logits, logits.new_tensor([target[len(out)]]).long()).item()
         out.append(int(nxt))
         logits = session(nxt)
     text = tok.decode(out, skip_special_tokens=True)
-    return prompt.answer in text, text
+    if target and out[:len(target)] != target:  # greedy left the answer: feed it
+        session.restart()
+        logits, nll = _ask(session, prompt), 0.0
+        for t in target:
+            nll += torch.nn.functional.cross_entropy(logits, logits.new_tensor([t]).long()).item()
+            logits = session(logits.new_tensor([[t]]).long())
+    return prompt.answer in text, text, (nll if target else None)
 
 
 # ----------------------------------------------------------------------------- the whole harness
@@ -294,10 +318,11 @@ def run_eval(model, tok, methods: list[Method], eval_text: str, haystack_text: s
         it = tqdm(prompts, desc=f"retrieval {m.name}", leave=False) if progress else prompts
         for p in it:
             s.restart()
-            ok, text = retrieve(s, RetrievalPrompt(p.task, p.length, p.depth, p.context_ids.to(device),
-                                                   p.question_ids.to(device), p.answer), tok)
+            ok, text, answer_nll = retrieve(s, replace(p, context_ids=p.context_ids.to(device),
+                                                       question_ids=p.question_ids.to(device),
+                                                       answer_ids=p.answer_ids.to(device)), tok)
             retrieval.append({"method": m.name, "task": p.task, "length": p.length, "depth": p.depth, "correct": ok,
-                              "answer": p.answer, "generated": text})
+                              "answer": p.answer, "generated": text, "answer_nll": answer_nll})
         acc = [r["correct"] for r in retrieval if r["method"] == m.name]
         if acc:
             log(f"retrieval  {m.name:<20} {sum(acc)}/{len(acc)} correct")
@@ -340,7 +365,9 @@ def retrieval_vs_bf16(retrieval: list[dict]) -> list[dict]:
     """Each method's retrieval against BF16's on the same prompts, per length: ``lost`` (BF16 answered, the method
     did not), ``gained`` (the reverse) and ``p``, the exact two-sided sign test on those discordant prompts
     (McNemar's exact test): a method equals BF16's retrieval where it loses none, and differs from it only where
-    ``p`` is small. Prompts pair by their order, the same for every method (checked by task, length, depth, answer)."""
+    ``p`` is small. Prompts pair by their order, the same for every method (checked by task, length, depth, answer).
+    Where the rows carry the answers' teacher-forced NLL, ``answer_nll`` (:func:`answer_nll_delta`) is the paired
+    continuous measure, far more sensitive than right or wrong."""
     key = lambda r: (r["task"], r["length"], r["depth"], r.get("answer"))  # noqa: E731
     base = [r for r in retrieval if r["method"] == "bf16"]
     out = []
@@ -355,8 +382,24 @@ def retrieval_vs_bf16(retrieval: list[dict]) -> list[dict]:
             gained = sum(y["correct"] and not x["correct"] for x, y in zip(a, b))
             n, k = lost + gained, min(lost, gained)
             p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
-            out.append({"method": name, "length": length, "prompts": len(b), "lost": lost, "gained": gained, "p": p})
+            row = {"method": name, "length": length, "prompts": len(b), "lost": lost, "gained": gained, "p": p}
+            pairs = [(y["answer_nll"], x["answer_nll"]) for x, y in zip(a, b)
+                     if x.get("answer_nll") is not None and y.get("answer_nll") is not None]
+            if len(pairs) >= 2:
+                row["answer_nll"] = answer_nll_delta(pairs)
+            out.append(row)
     return out
+
+
+def answer_nll_delta(pairs: list[tuple[float, float]]) -> dict:
+    """The answers' NLL under a method against BF16's on the same prompts (``(method, bf16)`` nats a prompt): the
+    mean difference in nats with a 95% interval over prompts (independent prompts: a normal interval), and each
+    side's mean answer probability. Positive: the method finds the answers less likely."""
+    d = torch.tensor([m - b for m, b in pairs], dtype=torch.float64)
+    half = 1.96 * d.std().item() / math.sqrt(d.numel())
+    return {"delta_nats": d.mean().item(), "ci95_nats": [d.mean().item() - half, d.mean().item() + half],
+            "prompts": d.numel(), "p_answer": math.fsum(math.exp(-m) for m, _ in pairs) / len(pairs),
+            "p_answer_bf16": math.fsum(math.exp(-b) for _, b in pairs) / len(pairs)}
 
 
 def format_report(report: dict) -> str:
@@ -404,8 +447,12 @@ def format_report(report: dict) -> str:
             lines.append("retrieval against bf16 on the same prompts (lost: bf16 answered, the method not; exact "
                          "sign test on the prompts that differ)")
             for d in paired:
+                nll = d.get("answer_nll")
+                extra = (f"; answer NLL {nll['delta_nats']:+.3f} nats ({nll['ci95_nats'][0]:+.3f}.."
+                         f"{nll['ci95_nats'][1]:+.3f}), mean answer probability {nll['p_answer']:.3f} against "
+                         f"{nll['p_answer_bf16']:.3f}") if nll else ""
                 lines.append(f"  {d['method']:<30} {d['length']:>7}: lost {d['lost']}, gained {d['gained']} of "
-                             f"{d['prompts']} (p {d['p']:.2f})")
+                             f"{d['prompts']} (p {d['p']:.2f}){extra}")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 import copy
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -126,8 +127,44 @@ def test_retrieve_runs_the_question_through_decode_steps():
     tok = _CharTokenizer()
     p = make_retrieval_prompt(tok, "xyz " * 3000, "needle", 300, 0.5, random.Random(0))
     s = Session(model, Method("bf16", "bf16"), 1, 310, num_sinks=2, window=4)
-    ok, text = retrieve(s, p, tok, max_new=4)
-    assert isinstance(ok, bool) and len(text) == 4
+    ok, text, nll = retrieve(s, p, tok, max_new=4)
+    assert isinstance(ok, bool) and len(text) == 4 and nll > 0
+
+
+def test_retrieval_answer_nll_matches_a_full_forward_on_both_paths():
+    """The answer's NLL through the session (BF16 cache, the question as decode steps) equals the model's own forward
+    over prompt + answer, both where greedy spells the answer (read off its steps) and where it does not (the answer
+    is fed after asking again). float32 throughout: only summation order differs, hence 1e-4 relative."""
+    model = tiny_model("llama")
+    tok = _CharTokenizer()
+    p = make_retrieval_prompt(tok, "xyz abc " * 1500, "needle", 300, 0.5, random.Random(0))
+    s = Session(model, Method("bf16", "bf16"), 1, 320, num_sinks=2, window=4)
+
+    def full_forward_nll(answer_ids):
+        ids = torch.cat([p.context_ids, p.question_ids, answer_ids], 1)
+        with torch.no_grad():
+            logits = model(ids).logits[0, -answer_ids.shape[1] - 1:-1].float()
+        return torch.nn.functional.cross_entropy(logits, answer_ids[0], reduction="sum").item()
+
+    _, text, _ = retrieve(s, replace(p, answer_ids=None), tok, max_new=3)
+    greedy = torch.tensor([[ord(c) for c in text[:2]]])  # the char tokenizer's decode is chr(id)
+    wrong = (greedy + 1) % 90 + 3
+    for answer_ids in (greedy, wrong):
+        s.restart()
+        _, got_text, nll = retrieve(s, replace(p, answer_ids=answer_ids), tok, max_new=3)
+        assert got_text == text  # the greedy answer does not depend on the scored one
+        assert nll == pytest.approx(full_forward_nll(answer_ids), rel=1e-4)
+
+
+def test_answer_nll_delta_pairs_prompts():
+    from oscar_compile.evaluation import answer_nll_delta
+
+    gen = torch.Generator().manual_seed(0)
+    bf = (torch.rand(40, generator=gen, dtype=torch.float64) * 2).tolist()
+    worse = [b + 0.3 + 0.05 * float(torch.randn(1, generator=gen)) for b in bf]  # 0.3 nats less likely, tightly
+    d = answer_nll_delta(list(zip(worse, bf)))
+    assert d["prompts"] == 40 and d["delta_nats"] == pytest.approx(0.3, abs=0.03)
+    assert 0.2 < d["ci95_nats"][0] < 0.3 < d["ci95_nats"][1] < 0.4 and d["p_answer"] < d["p_answer_bf16"]
 
 
 def test_bits_and_report(tmp_path):
@@ -250,6 +287,11 @@ def test_method_specs_read_sequence_layers_and_positions_per_method():
     assert _method_specs(["default:kf"], 512, "auto")[-1]["default:kf"] == {"key_page_clips": None}  # full ranges
     assert _method_specs(["default:fb:kf"], 512, "auto")[-1]["default:fb:kf"] == {  # keys with error feedback
         "key_feedback": True, "key_page_clips": None}
+    # ':nofb': plain rounding, against the default's feedback ("auto"); the baselines' recipes round plainly unless
+    # tagged ':fb'
+    fed = _method_specs(["default:nofb", "oscar", "identity:fb", "hadamard"], 512, "auto")[-1]
+    assert fed == {"default:nofb": {"key_feedback": False}, "oscar": {"key_feedback": False},
+                   "identity:fb": {"key_feedback": True}, "hadamard": {"key_feedback": False}}
     assert options["default:c64:d"] == {"key_format": "channel", "page_size": 64, "score_debias": 1.0}
     assert options["default:d0.5"] == {"score_debias": 0.5}
     # ':g<size>.<layers>': layers with their own group size, the later tag winning for a layer named twice
@@ -261,6 +303,7 @@ def test_method_specs_read_sequence_layers_and_positions_per_method():
     for bad in ("default:p1:p2", "default:x3", "bf16:p0", "default@x", "default:g32", "default:g0.1", "default:gx.1",
                 "bf16:g32.1", "default:c1", "default:c32:c64", "default:t:c32", "default:t:t", "kivi:t", "kivi:c32", "default:ka:t", "default:ka:ka", "default:kr:kr", "default:kr:t", "bf16:kr",
                 "default:kr:kf", "default:kf:t", "kivi:kf", "default:fb:fb", "default:fb:t", "bf16:fb",
+                "default:fb:nofb", "kivi:nofb",
                 "default:cx", "default:d5", "default:d:d", "bf16:d", "default:dx"):
         with pytest.raises(SystemExit):
             _method_specs([bad], 512, "auto")

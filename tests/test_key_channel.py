@@ -316,7 +316,8 @@ def test_smallest_sliding_storage_counts_channel_key_bytes():
 def test_key_feedback_reaches_the_store_and_needs_its_factors(tmp_path):
     """``key_feedback=True``: each layer's factor (calibrated, saved and loaded with the artifact) is the store's
     ``key_feedback`` argument, so the logits move against plain rounding (the option reached the kernels); without an
-    artifact, with one calibrated before the factors existed, or with per-token keys, it is refused."""
+    artifact, with one calibrated before the factors existed, or with per-token keys, it is refused, and the default
+    ("auto") is off there and on otherwise."""
     from dataclasses import replace
 
     from oscar_compile import calibrate, load_artifacts, oscar_backend
@@ -341,8 +342,12 @@ def test_key_feedback_reaches_the_store_and_needs_its_factors(tmp_path):
             assert (got is not None) == feedback
     assert rel_error(logits[True], logits[False]) > 1e-5
     old = replace(art, layers=[replace(t, key_feedback=None) for t in art.layers])
+    # the default ("auto"): on where the artifact carries its factors and keys are per channel, else off
+    assert oscar_backend(art, inductor=False, **opts).options.key_feedback is True
+    for off in (dict(artifacts=old), dict(artifacts=None), dict(artifacts=art, key_format="token")):
+        assert oscar_backend(inductor=False, **off).options.key_feedback is False
     for bad, match in ((dict(artifacts=None), "none was given"), (dict(artifacts=old), "recalibrate"),
                        (dict(artifacts=art, key_format="token"), "key_format='channel'"),
-                       (dict(artifacts=art, key_feedback="yes"), "True or False")):
+                       (dict(artifacts=art, key_feedback="yes"), "'auto', True or False")):
         with pytest.raises(ValueError, match=match):
             oscar_backend(**{"key_feedback": True, **bad})
