@@ -184,6 +184,23 @@ def resolve_key_page_clips(clips, artifacts=None, who: str = "oscar_backend", fe
     return {k: float(r) for k, r in clips.items()}
 
 
+def resolve_key_feedback(feedback, key_format: str, artifacts=None, who: str = "oscar_backend") -> bool:
+    """Whether keys are rounded with error feedback, from the ``key_feedback`` option: "auto" (the default: where
+    the artifact carries its factors and keys are per channel), True (refused without them) or False."""
+    if not (isinstance(feedback, bool) or feedback == "auto"):
+        raise ValueError(f"{who}: key_feedback is 'auto', True or False, got {feedback!r}")
+    if feedback == "auto":
+        return key_format == "channel" and artifacts is not None and artifacts.has_key_feedback
+    if feedback and key_format != "channel":
+        raise ValueError(f"{who}: key_feedback=True rounds keys stored per channel: it needs key_format='channel', "
+                         f"got {key_format!r}")
+    if feedback and not (artifacts is not None and artifacts.has_key_feedback):
+        raise ValueError(f"{who}: key_feedback=True needs an artifact with its error-feedback factors "
+                         + ("(none was given)" if artifacts is None else
+                            "(this one was calibrated before 2026-12-06: recalibrate)"))
+    return feedback
+
+
 def resolve_layer_key_formats(formats, artifacts=None, who: str = "oscar_backend") -> dict:
     """``{layer: key format}`` from the ``layer_key_formats`` option: a dict (checked), "auto" (per-token keys for
     the artifact's ``token_key_layers``) or None (none)."""
@@ -220,18 +237,7 @@ class OscarBackend:
             self.options.layer_group_sizes or {}, lambda g: isinstance(g, int) and not isinstance(g, bool) and g > 0,
             "layer_group_sizes maps layer indices to group sizes (ints > 0)", "oscar_backend")
         self.options.layer_key_formats = resolve_layer_key_formats(self.options.layer_key_formats, artifacts)
-        if not (isinstance(self.options.key_feedback, bool) or self.options.key_feedback == "auto"):
-            raise ValueError(f"oscar_backend: key_feedback is 'auto', True or False, got {self.options.key_feedback!r}")
-        if self.options.key_feedback == "auto":  # on where the artifact carries its factors and keys are per channel
-            self.options.key_feedback = (self.options.key_format == "channel" and artifacts is not None
-                                         and artifacts.has_key_feedback)
-        if self.options.key_feedback and self.options.key_format != "channel":
-            raise ValueError("oscar_backend: key_feedback=True rounds keys stored per channel: it needs "
-                             f"key_format='channel', got {self.options.key_format!r}")
-        if self.options.key_feedback and not (artifacts is not None and artifacts.has_key_feedback):
-            raise ValueError("oscar_backend: key_feedback=True needs an artifact with its error-feedback factors "
-                             + ("(none was given)" if artifacts is None else
-                                "(this one was calibrated before 2026-12-06: recalibrate)"))
+        self.options.key_feedback = resolve_key_feedback(self.options.key_feedback, self.options.key_format, artifacts)
         self.options.key_page_clips = resolve_key_page_clips(self.options.key_page_clips, artifacts,
                                                              feedback=self.options.key_feedback)
         self.artifacts = artifacts

@@ -59,8 +59,8 @@ def overlapping(a: str, b: str, samples: int = 32, width: int = 200) -> bool:
 
 
 def _eval(args) -> int:
-
     from .assets import cache_dir, load_model, load_text
+    from .backend import BackendOptions, resolve_key_feedback
     from .demo import cached_artifacts_for, calibration_text_name
     from .evaluation import EvalConfig, Method, format_report, run_eval, save_report
 
@@ -126,9 +126,8 @@ def _eval(args) -> int:
                 label += " narrowed page ranges"
             elif "key_page_clips" in read_options[n]:
                 label += " full page ranges"
-            feedback = read_options[n].get("key_feedback", "auto")
-            if feedback is True or (feedback == "auto" and artifacts[n].has_key_feedback
-                                    and read_options[n].get("key_format", "channel") == "channel"):
+            if resolve_key_feedback(read_options[n].get("key_feedback", BackendOptions.key_feedback),
+                                    read_options[n].get("key_format", BackendOptions.key_format), artifacts[n]):
                 label += " key feedback"
             elif base[n] == "default" and artifacts[n].has_key_feedback:
                 label += " plain key rounding"

@@ -122,14 +122,33 @@ def cached_artifacts(model, tok, model_name: str, method: str, tokens: int, prog
     return found[method], method in cached
 
 
+@torch.no_grad()
+def _decode(compiled, model, ids, new_tokens: int, eos=None, feed=None) -> tuple[list[int], list[float], int]:
+    """From a fresh cache: greedy tokens up to ``eos`` (``feed`` None) or ``feed``'s tokens fed back
+    (teacher-forced): (the tokens, the NLL of each, how many the model's top token agreed with)."""
+    from .hf import OscarCache, cache_kwarg
+
+    kw = {cache_kwarg(model): OscarCache(model, max_cache_len=ids.shape[1] + new_tokens + 1), "use_cache": True}
+    logits, gen, nll, agree = compiled(ids, **kw).logits[:, -1], [], [], 0
+    for i in range(new_tokens if feed is None else len(feed)):
+        nxt = int(logits.argmax(-1))
+        if feed is not None:
+            agree += nxt == feed[i]
+            nxt = feed[i]
+        elif nxt == eos:
+            break
+        nll.append(-logits.log_softmax(-1)[0, nxt].item())
+        gen.append(nxt)
+        logits = compiled(ids.new_tensor([[nxt]]), **kw).logits[:, -1]
+    return gen, nll, agree
+
+
 def run_demo(model_name: str = "smollm2-135m", method: str = "default", calib_tokens: int = 16384,
              num_sinks: int = 16, window: int = 64, new_tokens: int = 40, ppl_context: int = 512, ppl_decode: int = 32) -> int:
     from .assets import load_model, load_text
     from .backend import BackendOptions, oscar_backend, resolve_page_size
     from .evaluation import Method, Session, bits_per_element, perplexity_nll
     from .explainer import explain
-    from .hf import OscarCache
-    from .hf import cache_kwarg
 
     t0 = time.perf_counter()
     print(f"== oscar demo: {model_name} on {torch.get_num_threads()} CPU thread(s)")
@@ -170,30 +189,10 @@ def run_demo(model_name: str = "smollm2-135m", method: str = "default", calib_to
             torch._dynamo.reset()
             backend = oscar_backend(art, inductor=False, num_sinks=num_sinks, window=window, **opts)
             compiled = torch.compile(model, backend=backend)
-            kw = {cache_kwarg(model): None, "use_cache": True}
-
-            @torch.no_grad()
-            def decode(feed=None):
-                """Greedy tokens (``feed`` None) or BF16's fed back (teacher-forced): (tokens, NLL of each, top-1
-                agreements)."""
-                kw[cache_kwarg(model)] = OscarCache(model, max_cache_len=ids.shape[1] + new_tokens + 1)
-                logits, gen, nll, agree = compiled(ids, **kw).logits[:, -1], [], [], 0
-                for i in range(new_tokens if feed is None else len(feed)):
-                    nxt = logits.argmax(-1, keepdim=True)
-                    if feed is not None:
-                        agree += int(nxt) == feed[i]
-                        nxt = nxt.new_tensor([[feed[i]]])
-                    elif int(nxt) == tok.eos_token_id:
-                        break
-                    nll.append(-logits.log_softmax(-1)[0, int(nxt)].item())
-                    gen.append(int(nxt))
-                    logits = compiled(nxt, **kw).logits[:, -1]
-                return gen, nll, agree
-
-            tokens[label], forced[label], _ = decode()
+            tokens[label], forced[label], _ = _decode(compiled, model, ids, new_tokens, tok.eos_token_id)
             outs[label] = tok.decode(tokens[label], skip_special_tokens=True).strip()
             if label == "INT2" and tokens["bf16"]:  # one greedy sample flips at a near-tie and then diverges:
-                _, forced[label], agree = decode(tokens["bf16"])  # the INT2 cache fed BF16's answer says more
+                _, forced[label], agree = _decode(compiled, model, ids, new_tokens, feed=tokens["bf16"])  # fed BF16's
         # tokens in INT2 pages: those past the sinks and the window, in whole pages for per-channel keys
         quantized = max((c.quantized_tokens(ids.shape[1]) for c in backend.storage.values()), default=0)
         print(f"   prompt ({ids.shape[1]} tokens, {quantized} of them in INT2 pages when decoding starts):")

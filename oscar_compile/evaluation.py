@@ -238,18 +238,16 @@ def retrieve(session: Session, prompt: RetrievalPrompt, tok, max_new: int = 8) -
     target = [] if prompt.answer_ids is None else prompt.answer_ids[0].tolist()
     out, nll = [], 0.0
     for _ in range(max_new):
-        nxt = logits.argmax(-1, keepdim=True)
+        nxt = int(logits.argmax(-1))
         if len(out) < len(target) and out == target[:len(out)]:  # still on the answer's path
-            nll += torch.nn.functional.cross_entropy(logits, logits.new_tensor([target[len(out)]]).long()).item()
-        out.append(int(nxt))
-        logits = session(nxt)
+            nll -= logits.log_softmax(-1)[0, target[len(out)]].item()
+        out.append(nxt)
+        logits = session(logits.new_tensor([[nxt]]).long())
     text = tok.decode(out, skip_special_tokens=True)
-    if target and out[:len(target)] != target:  # greedy left the answer: feed it
-        session.restart()
-        logits, nll = _ask(session, prompt), 0.0
-        for t in target:
-            nll += torch.nn.functional.cross_entropy(logits, logits.new_tensor([t]).long()).item()
-            logits = session(logits.new_tensor([[t]]).long())
+    if target and out[:len(target)] != target:  # greedy left the answer: ask again and feed it, the question and
+        session.restart()  # the answer as decode steps
+        full = torch.cat([prompt.context_ids, prompt.question_ids, prompt.answer_ids], 1)
+        nll = token_nll(session, full, prompt.context_ids.shape[1])[0, -len(target):].sum().item()
     return prompt.answer in text, text, (nll if target else None)
 
 
