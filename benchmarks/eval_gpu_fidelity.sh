@@ -16,6 +16,9 @@
 #   the switch, plain, with `default:fb`), 2K (256 x 64), 8K (64 x 128) and, on Gemma 3, 32K (20 x 128); Qwen2.5-Coder-0.5B at heldout's
 #   sizes (128 x 64, 32 x 128, 10 x 128); retrieval at 12 prompts a length
 #   (needs artifacts calibrated since 2026-12-06: they carry the feedback factors). CONTEXTS="8192" picks lengths.
+# exact: retrieval heads in BF16 (`default:xh`, the backend's exact_heads="auto") against every head INT2
+#   (`default:noxh`), retrieval at 36 prompts a length (answer NLL) and perplexity at 8K (32 x 128) and, where the model
+#   serves it, 32K (8 x 128). CONTEXTS picks lengths.
 # heldout: a model none of the method's choices were made on (Qwen2.5-Coder-0.5B): every baseline at 2K (128 x 64),
 #   the default and its page range option at 8K (32 x 128), the default at 32K (10 x 128), retrieval at each length.
 # Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU)
@@ -72,6 +75,11 @@ feedback() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
      --methods bf16,default:nofb,default --retrieval-lengths "$2" --retrieval-samples 2 --out "$W" \
      --name "eval_$1_${CARD}_$(($2 / 1024))k_feedback" > "$W/$1_$2_feedback.log" 2>&1
 }
+exact() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
+  $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" \
+     --methods bf16,default:noxh,default:xh --retrieval-lengths "$2" --retrieval-samples ${RSAMPLES:-6} --out "$W" \
+     --name "eval_$1_${CARD}_$(($2 / 1024))k_exact" > "$W/$1_$2_exact.log" 2>&1
+}
 heldout() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: methods
   $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" --methods "$5" \
      --retrieval-lengths "$2" --retrieval-samples 2 --out "$W" \
@@ -81,6 +89,15 @@ for m in $MODELS; do
   case $1 in heldout)
     heldout $m 2048 128 64 bf16,kivi,identity,hadamard,oscar,default,default:kr &
     heldout $m 8192 32 128 bf16,kivi,default,default:kr & heldout $m 32768 10 128 bf16,default & ;;
+  esac
+  case $1 in exact)
+    for c in ${CONTEXTS:-8192 32768}; do
+      case $m:$c in
+        *:8192) exact $m 8192 32 128 & ;;
+        smollm2*:32768) ;;  # not served
+        *:32768) exact $m 32768 8 128 & ;;
+      esac
+    done ;;
   esac
   case $1 in keys) keys $m 2048 256 64 & keys $m 8192 64 128 & ;; esac
   case $1 in ranges) ranges $m 2048 256 64 & ranges $m 8192 64 128 & ;; esac

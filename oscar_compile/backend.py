@@ -141,6 +141,12 @@ class BackendOptions:
     # -0.03% (8K), +0.02% (32K); pooled -0.16% (-0.29..-0.03); none worse beyond its interval. A prefill chunk's
     # store costs 2.4-2.6x (4K tokens, 64 rows, H100); a decode step nothing measurable.
     key_feedback: bool | str = "auto"
+    # {layer: KV heads} kept in BF16 beside the layer's INT2 heads: retrieval heads, which copy one far token with a
+    # sharp attention that averages no rounding error away (calibration/retrieval_heads.py). "auto": the artifact's
+    # retrieval_heads (the heads with the highest induction score, at most 1/16 of them), none for an artifact
+    # without induction scores; None or {}: every head INT2. A head in BF16 costs ~13 bits an element more of its
+    # pages; ``bits_per_element`` in the eval counts it. Layers in BF16 or with sliding windows are left alone.
+    exact_heads: dict | str | None = None
 
 
 DEFAULT_PAGE_SIZE = {"channel": 32, "token": 16}  # tokens a page, by key format (BackendOptions.page_size=None)
@@ -201,6 +207,20 @@ def resolve_key_feedback(feedback, key_format: str, artifacts=None, who: str = "
     return feedback
 
 
+def resolve_exact_heads(heads, artifacts=None, who: str = "oscar_backend") -> dict:
+    """``{layer: sorted KV heads}`` from the ``exact_heads`` option: a dict (checked), "auto" (the artifact's
+    retrieval heads) or None (none)."""
+    if heads is None:
+        return {}
+    if heads == "auto":
+        return dict(artifacts.retrieval_heads) if artifacts is not None else {}
+    ok = lambda hs: (isinstance(hs, (tuple, list)) and len(hs) > 0  # noqa: E731
+                     and all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hs))
+    checked = _layer_map(heads, ok, "exact_heads maps layer indices to non-empty lists of KV head indices (or is "
+                         "'auto')", who)
+    return {layer: tuple(sorted(set(hs))) for layer, hs in checked.items()}
+
+
 def resolve_layer_key_formats(formats, artifacts=None, who: str = "oscar_backend") -> dict:
     """``{layer: key format}`` from the ``layer_key_formats`` option: a dict (checked), "auto" (per-token keys for
     the artifact's ``token_key_layers``) or None (none)."""
@@ -240,6 +260,7 @@ class OscarBackend:
         self.options.key_feedback = resolve_key_feedback(self.options.key_feedback, self.options.key_format, artifacts)
         self.options.key_page_clips = resolve_key_page_clips(self.options.key_page_clips, artifacts,
                                                              feedback=self.options.key_feedback)
+        self.options.exact_heads = resolve_exact_heads(self.options.exact_heads, artifacts)
         self.artifacts = artifacts
         if self.options.sliding_windows is None and artifacts is not None and artifacts.sliding_windows:
             self.options.sliding_windows = artifacts.sliding_windows  # recorded at calibration
@@ -429,8 +450,15 @@ class OscarBackend:
                     and not _ring_is_smaller(o, m.num_kv_heads, m.head_dim, dtype, sliding, max_len, group)):
                 sliding = None  # INT2 pages for the whole cache take fewer bytes (a large window, a short cache)
             quantize = o.quantize and not (key[0] == "layer" and layer in o.bf16_layers)
+            int2_heads, exact = tuple(range(m.num_kv_heads)), ()
+            if quantize and sliding is None and key[0] == "layer" and layer in o.exact_heads:
+                first = self._first_kv_heads.get(layer, 0)  # tensor parallelism: this rank's heads
+                exact = tuple(h - first for h in o.exact_heads[layer] if first <= h < first + m.num_kv_heads)
+                int2_heads = tuple(h for h in int2_heads if h not in exact)
+                if not int2_heads:  # every head exact: the layer is a BF16 layer
+                    quantize, int2_heads, exact = False, exact, ()
             cache = PagedInt2KVCache(
-                1, m.num_kv_heads, m.head_dim, max_batch_size=rows, max_seq_len=max_len, page_size=o.page_size,
+                1, len(int2_heads), m.head_dim, max_batch_size=rows, max_seq_len=max_len, page_size=o.page_size,
                 num_sinks=o.num_sinks, window=o.window, group_size=group, identity_block_table=True,
                 quantize=quantize, sliding_window=sliding, max_chunk=o.max_chunk,
                 key_format=o.layer_key_formats.get(layer, o.key_format) if key[0] == "layer" else o.key_format,
@@ -442,6 +470,10 @@ class OscarBackend:
                 tr = replace(tr, key_page_clip=o.key_page_clips[layer])
             if not (o.key_feedback and key[0] == "layer"):
                 tr = replace(tr, key_feedback=None)
+            if exact:
+                tr = tr.select(int2_heads)
+                cache.keep_heads_exact(int2_heads, exact).set_transforms(
+                    0, LayerTransforms.identity(len(exact), m.head_dim, device=device))
             cache.set_transforms(0, tr)
             self.storage[full_key] = cache
             log.info("oscar: %s: new INT2 storage for %d row(s) x %d tokens (batch %s, cache length %s), %.2f MiB; "

@@ -110,6 +110,11 @@ class LayerTransforms:
         """The transforms of KV heads ``lo .. hi - 1`` (a tensor-parallel rank's share)."""
         return replace(self, **{n: getattr(self, n)[lo:hi] for n in self._present_tensor_names()})
 
+    def select(self, heads) -> "LayerTransforms":
+        """The transforms of the KV heads listed in ``heads`` (in that order)."""
+        idx = torch.as_tensor(list(heads), dtype=torch.long, device=self.key_transform.device)
+        return replace(self, **{n: getattr(self, n).index_select(0, idx) for n in self._present_tensor_names()})
+
     def to(self, device) -> "LayerTransforms":
         return replace(self, **{n: getattr(self, n).to(device=device, dtype=torch.float32)
                                 for n in self._present_tensor_names()})
@@ -173,6 +178,19 @@ class LayerKV:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.k_codes, self.k_meta, self.v_codes, self.v_meta, self.k_sink, self.v_sink, self.k_ring, self.v_ring)
+
+
+@dataclass(frozen=True)
+class ExactHeads:
+    """A layer's KV heads split in two: ``int2_heads`` in the cache itself, ``exact_heads`` in ``cache`` (BF16)."""
+
+    cache: "PagedInt2KVCache"
+    int2_heads: tuple[int, ...]
+    exact_heads: tuple[int, ...]
+
+    @property
+    def heads(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.int2_heads, self.exact_heads
 
 
 @dataclass(frozen=True)
@@ -338,6 +356,7 @@ class PagedInt2KVCache:
         self.transforms = [LayerTransforms.identity(h, d, device=dev) for _ in range(num_layers)]
         self.block_table = torch.full((max_batch_size, self.max_pages), -1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=dev)
+        self.exact: ExactHeads | None = None  # a layer's retrieval heads, kept beside it in BF16 (keep_heads_exact)
         self._row_pages: list[list[int]] = [[] for _ in range(max_batch_size)]
         self._free_pages = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low pages first
         self.identity_block_table = identity_block_table
@@ -403,12 +422,32 @@ class PagedInt2KVCache:
             self._row_pages[row] = []
             self.block_table[row] = -1
         self.seq_lens[row] = 0
+        if self.exact is not None:
+            self.exact.cache.release(row)
 
     @property
     def free_pages(self) -> int:
         return len(self._free_pages)
 
     # ---------------------------------------------------------------- transforms
+    def keep_heads_exact(self, int2_heads, exact_heads) -> "PagedInt2KVCache":
+        """Make this cache hold the ``int2_heads`` of a layer (its ``num_kv_heads``, in that order) and a BF16
+        companion the ``exact_heads`` (retrieval heads): same rows, length and sinks, every token in its ring. The
+        backend's rewrite stores and reads the two apart and puts the heads back in order; rows move, reorder and
+        are released together. Returns the companion."""
+        int2_heads, exact_heads = tuple(int2_heads), tuple(exact_heads)
+        if len(int2_heads) != self.num_kv_heads or not exact_heads or set(int2_heads) & set(exact_heads):
+            raise ValueError(f"oscar: exact heads {exact_heads} and INT2 heads {int2_heads} must be disjoint, the "
+                             f"INT2 ones this cache's {self.num_kv_heads} heads")
+        if self.num_layers != 1 or not self.identity_block_table:
+            raise ValueError("oscar: exact heads need a one-layer cache with an identity block table (the backend's)")
+        companion = PagedInt2KVCache(
+            1, len(exact_heads), self.head_dim, max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
+            page_size=self.page_size, num_sinks=self.num_sinks, window=self.window, identity_block_table=True,
+            quantize=False, dtype=self.dtype, meta_dtype=self.meta_dtype, device=self.device)
+        self.exact = ExactHeads(companion, int2_heads, exact_heads)
+        return companion
+
     def set_transforms(self, layer: int, transforms: LayerTransforms) -> None:
         transforms.validate(self.num_kv_heads, self.head_dim)
         self.transforms[layer] = transforms.to(self.device)
@@ -511,6 +550,8 @@ class PagedInt2KVCache:
             for t in (layer.k_codes, layer.k_meta, layer.v_codes, layer.v_meta):
                 t[dst] = t.index_select(0, src)
         self.seq_lens[:n] = self.seq_lens.index_select(0, rows)
+        if self.exact is not None:
+            self.exact.cache.reorder_rows(rows)
 
     def copy_rows_to(self, dst: "PagedInt2KVCache", rows: int, length: int) -> None:
         """Copy what rows ``[0, rows)`` hold for positions ``[0, length)`` into ``dst`` (same format, other sizes).
@@ -525,7 +566,9 @@ class PagedInt2KVCache:
             dst.num_sinks, dst.page_size, dst.num_kv_heads, dst.head_dim, dst.group_size, dst.dtype, dst.meta_dtype,
             dst.key_format)
         windows_ok = self.window == dst.window or min(self.ring_len, dst.ring_len) >= length
-        if not (same and windows_ok and self.identity_block_table and dst.identity_block_table):
+        same_exact = (self.exact is None) == (dst.exact is None) and (
+            self.exact is None or self.exact.heads == dst.exact.heads)
+        if not (same and same_exact and windows_ok and self.identity_block_table and dst.identity_block_table):
             raise ValueError(f"oscar: cannot move rows from {self!r} to {dst!r}")
         if rows > min(self.max_batch_size, dst.max_batch_size) or length > min(self.capacity_tokens, dst.capacity_tokens):
             raise CacheCapacityError(f"oscar: {rows} rows of {length} tokens do not fit both {self!r} and {dst!r}")
@@ -539,6 +582,8 @@ class PagedInt2KVCache:
                 b.v_ring[:rows, ring_pos % dst.ring_len] = a.v_ring[:rows, ring_pos % self.ring_len]
             for name in ("k_codes", "k_meta", "v_codes", "v_meta"):
                 getattr(b, name)[dst_pages] = getattr(a, name)[src_pages]
+        if self.exact is not None:
+            self.exact.cache.copy_rows_to(dst.exact.cache, rows, length)
 
     def reset(self) -> None:
         """Forget every row (pages return to the pool; buffers are not cleared, they are never read unwritten)."""
@@ -550,7 +595,7 @@ class PagedInt2KVCache:
     def nbytes(self) -> int:
         """Bytes of every tensor this cache allocated (all layers, whole pool)."""
         tensors = [t for layer in self.layers for t in layer.tensors()] + [self.block_table, self.seq_lens]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + (self.exact.cache.nbytes if self.exact else 0)
 
     def memory_report(self, context_len: int) -> MemoryReport:
         """Memory one row of ``context_len`` tokens takes: its sink and ring buffers plus its pages."""
@@ -582,6 +627,7 @@ class PagedInt2KVCache:
             f"PagedInt2KVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"batch={self.max_batch_size}, max_seq_len={self.max_seq_len}, pages={self.num_pages}x{self.page_size}, "
             f"sinks={self.num_sinks}, window={self.window}, group={self.group_size}, quantize={self.quantize}, "
-            + (f"keys per channel over pages, ring {self.ring_len}, " if self.key_format == "channel" else "") +
+            + (f"keys per channel over pages, ring {self.ring_len}, " if self.key_format == "channel" else "")
+            + (f"exact heads {list(self.exact.exact_heads)}, " if self.exact else "") +
             f"{self.nbytes / 2**20:.1f} MiB on {self.device})"
         )

@@ -60,7 +60,7 @@ def overlapping(a: str, b: str, samples: int = 32, width: int = 200) -> bool:
 
 def _eval(args) -> int:
     from .assets import cache_dir, load_model, load_text
-    from .backend import BackendOptions, resolve_key_feedback
+    from .backend import BackendOptions, resolve_exact_heads, resolve_key_feedback
     from .demo import cached_artifacts_for, calibration_text_name
     from .evaluation import EvalConfig, Method, format_report, run_eval, save_report
 
@@ -131,6 +131,9 @@ def _eval(args) -> int:
                 label += " key feedback"
             elif base[n] == "default" and artifacts[n].has_key_feedback:
                 label += " plain key rounding"
+            exact = resolve_exact_heads(read_options[n].get("exact_heads", BackendOptions.exact_heads), artifacts[n])
+            if exact:
+                label += " exact heads " + ",".join(f"{a}.{h}" for a, hs in sorted(exact.items()) for h in hs)
             if read_options[n].get("score_debias"):
                 label += f" debias {read_options[n]['score_debias']:g}"
             options.update(read_options[n])
@@ -251,7 +254,8 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     "method:kf": per-channel keys over every channel's full range in a page (key_page_clips=None);
     "method:fb": per-channel keys rounded with error feedback (the backend's key_feedback=True; "auto", the default,
     does so where the artifact carries the factors; the baselines identity, hadamard and oscar round plainly unless
-    tagged so); "method:nofb": plain rounding (key_feedback=False);
+    tagged so); "method:nofb": plain rounding (key_feedback=False); "method:xh": the artifact's retrieval heads kept
+    in BF16 (the backend's exact_heads="auto"); "method:noxh": every head INT2 (exact_heads=None);
     "method:d" ("method:d0.5"): INT2 scores debiased by 1 (0.5) times half their rounding noise's variance (the
     backend's score_debias). The key-format, range and debias tags come back as each method's backend options."""
     from .backend import DEFAULT_PAGE_SIZE
@@ -279,7 +283,12 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         range_tags = [t for t in tags if t in ("kr", "kf")]
         # per-channel keys rounded with error feedback (the default's, where the artifact has factors) or not
         feedback_tags = [t for t in tags if t in ("fb", "nofb")]
+        exact_tags = [t for t in tags if t in ("xh", "noxh")]  # retrieval heads in BF16 (exact_heads) or none
         read_options[n] = {}
+        if exact_tags:
+            read_options[n]["exact_heads"] = "auto" if exact_tags[0] == "xh" else None
+        elif base[n] in ("identity", "hadamard", "oscar"):
+            read_options[n]["exact_heads"] = None  # the baselines' recipes: every head INT2
         if feedback_tags:
             read_options[n]["key_feedback"] = feedback_tags[0] == "fb"
         elif base[n] in ("identity", "hadamard", "oscar"):
@@ -295,9 +304,9 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         if debias_tags:
             read_options[n]["score_debias"] = _debias_value(debias_tags[0])
         if (len(layer_tags) + len(position_tags) + len(group_tags) + len(channel_tags) + len(debias_tags)
-                + len(auto_tags) + len(range_tags) + len(feedback_tags) != len(tags)
+                + len(auto_tags) + len(range_tags) + len(feedback_tags) + len(exact_tags) != len(tags)
                 or len(position_tags) > 1 or len(channel_tags) > 1 or len(debias_tags) > 1 or len(auto_tags) > 1
-                or len(range_tags) > 1 or len(feedback_tags) > 1
+                or len(range_tags) > 1 or len(feedback_tags) > 1 or len(exact_tags) > 1
                 or ((auto_tags or range_tags or feedback_tags == ["fb"]) and channel_tags == ["t"])
                 or (tags and base[n] in ("bf16", "kivi"))):
             raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, {usage}")
@@ -356,7 +365,7 @@ def _tokenize(tok, model, text: str):
 def _calibrate(args) -> int:
     import time
 
-    from .calibration import check_layers, collect_statistics, derive_artifacts, token_batches
+    from .calibration import check_layers, collect_statistics, derive_artifacts, token_batches, with_retrieval_heads
 
     t0 = time.perf_counter()
     model, tok = _load_for_cli(args.model)
@@ -380,6 +389,7 @@ def _calibrate(args) -> int:
         start = need  # after every calibration token
         long = [ids[start + i * args.check_len:start + (i + 1) * args.check_len][None] for i in range(args.check_seqs)]
         artifacts = check_layers(model, artifacts, long, num_sinks=args.sinks, window=args.window)
+    artifacts = with_retrieval_heads(model, artifacts)  # after the check: its BF16 layers are not candidates
     out = artifacts.save(args.out)
     print(artifacts.summary())
     print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")

@@ -87,6 +87,7 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
             else:
                 found[m] = load_artifacts(path(m, True))
                 found[m].validate(model)
+            found[m] = _with_retrieval_heads(model, found[m], path(m, True), progress)
         return found, cached
 
     found, cached = {}, set()
@@ -111,7 +112,23 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
         for method in missing:
             found[method] = derive_artifacts(stats, method, progress=progress)
             found[method].save(path(method))
+    for method in wanted:
+        found[method] = _with_retrieval_heads(model, found[method], path(method), progress)
     return found, cached
+
+
+def _with_retrieval_heads(model, artifacts, directory, progress: bool = True):
+    """``artifacts`` with their retrieval heads (the induction scores: one forward pass), measured and saved once for
+    an artifact cached before they were (2026-12-06)."""
+    from .calibration import with_retrieval_heads
+
+    if artifacts.has_retrieval_heads:
+        return artifacts
+    if progress:
+        print(f"oscar: measuring the retrieval heads of {directory.name} (induction scores)")
+    artifacts = with_retrieval_heads(model, artifacts)
+    artifacts.save(directory)
+    return artifacts
 
 
 def cached_artifacts(model, tok, model_name: str, method: str, tokens: int, progress: bool = True,

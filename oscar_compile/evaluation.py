@@ -47,7 +47,7 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
     over every layer. Sliding-window layers hold fewer tokens than the context: ``min(window, context)`` in
     BF16, transformers' own sliding layers and the oscar methods' BF16 rings alike (the default
     ``sliding_storage="ring"``)."""
-    from .backend import BackendOptions, resolve_layer_key_formats, resolve_page_size
+    from .backend import BackendOptions, resolve_exact_heads, resolve_layer_key_formats, resolve_page_size
     from .hf import sliding_windows
 
     heads, d = kv_geometry(model_config)
@@ -79,6 +79,11 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
     own = {layer for layer in own if layer not in slides and layer not in kept} if method.kind != "bf16" else set()
     extra = sum(int2_bits(groups.get(layer, method.options.get("group_size")), formats.get(layer, key_format)) - full
                 for layer in own)
+    # retrieval heads kept in BF16 beside a layer's INT2 heads (the backend's exact_heads): their share in 16 bits
+    exact = resolve_exact_heads(method.options.get("exact_heads", BackendOptions.exact_heads), method.artifacts,
+                                "oscar eval") if method.kind != "bf16" else {}
+    extra += sum(min(len(hs), heads) / heads * (fp_bits - full) for layer, hs in exact.items()
+                 if layer not in slides and layer not in kept and layer < layers)
     return (full * (layers - len(slides) - dense) + extra + fp_bits * dense + sliding_bits) / layers
 
 

@@ -181,6 +181,9 @@ def test_bits_and_report(tmp_path):
     layers = model.config.num_hidden_layers
     one_dense = bits_per_element(model.config, Method("x", options={"bf16_layers": (0,), **tok}), 1 << 17, 64, 256)
     assert math.isclose(one_dense, (int2 * (layers - 1) + 16) / layers)
+    # a retrieval head in BF16 (exact_heads): one of layer 0's 2 KV heads holds every token in 16 bits
+    one_head = bits_per_element(model.config, Method("x", options={"exact_heads": {0: [1]}, **tok}), 1 << 17, 64, 256)
+    assert math.isclose(one_head, (int2 * (layers - 1) + (int2 + 16) / 2) / layers)
     # a layer with its own group size (layer_group_sizes) counts its own metadata: groups of 4 at head_dim 16 carry
     # 2 x 16 bits per 4 elements, 6 bits more an element than one group a row... unless it is also kept in BF16
     regrouped = bits_per_element(model.config, Method("x", options={"layer_group_sizes": {1: 4}, **tok}), 1 << 17, 64,
@@ -290,8 +293,12 @@ def test_method_specs_read_sequence_layers_and_positions_per_method():
     # ':nofb': plain rounding, against the default's feedback ("auto"); the baselines' recipes round plainly unless
     # tagged ':fb'
     fed = _method_specs(["default:nofb", "oscar", "identity:fb", "hadamard"], 512, "auto")[-1]
-    assert fed == {"default:nofb": {"key_feedback": False}, "oscar": {"key_feedback": False},
-                   "identity:fb": {"key_feedback": True}, "hadamard": {"key_feedback": False}}
+    off = {"exact_heads": None}  # the baselines keep every head INT2
+    assert fed == {"default:nofb": {"key_feedback": False}, "oscar": {"key_feedback": False, **off},
+                   "identity:fb": {"key_feedback": True, **off}, "hadamard": {"key_feedback": False, **off}}
+    exact = _method_specs(["default:xh", "default:noxh", "oscar:xh"], 512, "auto")[-1]
+    assert exact == {"default:xh": {"exact_heads": "auto"}, "default:noxh": {"exact_heads": None},
+                     "oscar:xh": {"exact_heads": "auto", "key_feedback": False}}
     assert options["default:c64:d"] == {"key_format": "channel", "page_size": 64, "score_debias": 1.0}
     assert options["default:d0.5"] == {"score_debias": 0.5}
     # ':g<size>.<layers>': layers with their own group size, the later tag winning for a layer named twice

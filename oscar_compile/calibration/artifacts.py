@@ -73,6 +73,20 @@ class Artifacts:
         return tuple(int(i) for i in self.calibration.get("bf16_layers", ()))
 
     @property
+    def retrieval_heads(self) -> dict[int, tuple[int, ...]]:
+        """``{layer: KV heads}`` the induction score marked as retrieval heads (:mod:`.retrieval_heads`; what the
+        backend's ``exact_heads="auto"`` keeps in BF16); empty where not measured."""
+        out: dict[int, tuple[int, ...]] = {}
+        for layer, head in self.calibration.get("retrieval_heads", ()):
+            out[int(layer)] = out.get(int(layer), ()) + (int(head),)
+        return out
+
+    @property
+    def has_retrieval_heads(self) -> bool:
+        """Whether the induction scores were measured (an older artifact has none: ``exact_heads="auto"`` is off)."""
+        return "induction_scores" in self.calibration
+
+    @property
     def token_key_layers(self) -> tuple[int, ...]:
         """Layers whose keys the long-context check measured as clearly better per token than per channel (the
         backend's ``layer_key_formats="auto"``; empty if unchecked or checked with per-token keys)."""
@@ -259,6 +273,11 @@ class Artifacts:
                 lines.append(f"keys with error feedback (key_feedback=True): lower key error in {better} of "
                              f"{len(pairs)} layers, summed squares {sum(a * a for a, _ in pairs):.3f} -> "
                              f"{sum(b * b for _, b in pairs):.3f}")
+        if self.has_retrieval_heads:
+            heads = cal.get("retrieval_heads", [])
+            lines.append(f"retrieval heads (induction score, kept in BF16 by exact_heads='auto'): "
+                         + (", ".join(f"layer {a} head {b} ({cal['induction_scores'][a][b]:.2f})" for a, b in heads)
+                            or "none"))
         return "\n".join(lines)
 
 

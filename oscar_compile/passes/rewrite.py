@@ -13,6 +13,8 @@ For each :class:`~.matcher.AttentionMatch` the pass
    mask becomes a mask of ``n`` ones;
    the new keys and values are detached first: no gradient flows through the INT2 cache (a
    backward pass through ``oscar.attention`` raises :class:`~oscar_compile.ops.InferenceOnlyError`);
+   a layer with retrieval heads in BF16 (the backend's ``exact_heads``: ``cache.exact``) gets one store and one
+   attention per part, each on its own heads (``index_select``), and the outputs go back in head order;
 3. erases the original writes and the views that only fed the SDPA. Nothing else is touched: a
    blanket dead-code elimination would delete transformers' ``cumulative_length.add_``.
 
@@ -89,41 +91,44 @@ def rewrite(
         device = meta(kw.new).device
 
         with graph.inserting_before(later):
-            cache_nodes = [_register(gm, f"{prefix}_{name}", t) for name, t in zip(
-                ("k_codes", "k_meta", "v_codes", "v_meta", "k_sink", "v_sink", "k_ring", "v_ring"),
-                cache.layers[layer].tensors())]
-            cache_nodes.append(_register(gm, f"{prefix}_block_table", cache.block_table))
-            tr = cache.transforms[layer]
-            t_nodes = {name: _register(gm, f"{prefix}_{name}", getattr(tr, name)) for name in tr._tensor_names()}
             positions = _positions(graph, m, device)
             # Detached: the INT2 cache is inference-only, and in grad mode AOTAutograd would otherwise
             # trace a backward through store (a mutating op, which cannot have an autograd formula).
             k_new, v_new = (graph.call_method("detach", (new_head_major(graph, w),)) for w in (kw, vw))
-            feedback = cache.store_key_feedback(tr)  # error-feedback rounding of per-channel keys, if calibrated
-            store = graph.call_function(
-                torch.ops.oscar.store.default,
-                (k_new, v_new, positions, *cache_nodes, t_nodes["key_transform"], t_nodes["key_mean"],
-                 t_nodes["value_transform"], t_nodes["value_mean"], cache.store_key_clip(tr), float(tr.value_clip),
-                 None if feedback is None else _register(gm, f"{prefix}_key_feedback", feedback)),
-            )
-            k_chunk = graph.call_function(operator.getitem, (store, 0))
-            v_chunk = graph.call_function(operator.getitem, (store, 1))
-
+        parts = [(cache, prefix, None)]
+        if cache.exact is not None:  # retrieval heads in a BF16 companion: each part stores and reads its heads
+            parts = [(cache, prefix, cache.exact.int2_heads), (cache.exact.cache, f"{prefix}_exact", cache.exact.exact_heads)]
         with graph.inserting_before(m.sdpa):
-            last = graph.call_method("amax", (positions, -1))
-            seq_lens = graph.call_method("reshape", (graph.call_function(operator.add, (last, 1)), -1))
-            if m.is_causal:
-                t = graph.call_method("size", (m.query, 2))
-                q_positions = graph.call_function(torch.arange, (t,), {"device": device})
-            else:
-                q_positions = positions
             mask = _mask(graph, m, device)
-            attn = graph.call_function(
-                torch.ops.oscar.attention.default,
-                (m.query, q_positions, seq_lens, *cache_nodes, t_nodes["query_transform"], t_nodes["output_transform"],
-                 t_nodes["value_mean"], mask, bool(m.is_causal), float(m.scale), k_chunk, v_chunk, positions,
-                 float(cache.score_debias)),
-            )
+        outputs = []
+        for part, part_prefix, heads in parts:
+            with graph.inserting_before(later):
+                k_part, v_part = k_new, v_new
+                if heads is not None:
+                    kv_index = _register(gm, f"{part_prefix}_heads", torch.tensor(heads, device=device))
+                    k_part, v_part = (graph.call_method("index_select", (x, 1, kv_index)) for x in (k_new, v_new))
+                cache_nodes, t_nodes, k_chunk, v_chunk = _store(graph, gm, part, layer, part_prefix, k_part, v_part,
+                                                                positions)
+            with graph.inserting_before(m.sdpa):
+                query, part_mask = m.query, mask
+                if heads is not None:
+                    q_index = _register(gm, f"{part_prefix}_query_heads", _query_heads(heads, m).to(device))
+                    query = graph.call_method("index_select", (query, 1, q_index))
+                    if mask is not None and meta(mask).dim() == 4 and meta(mask).shape[1] > 1:
+                        part_mask = graph.call_method("index_select", (mask, 1, q_index))
+                outputs.append(_attend(graph, m, part, device, query, positions, cache_nodes, t_nodes, part_mask,
+                                       k_chunk, v_chunk))
+        with graph.inserting_before(m.sdpa):
+            if len(outputs) == 1:
+                attn = outputs[0]
+            else:  # the parts' heads back in the model's order
+                head_order = torch.cat([_query_heads(heads, m) for _, _, heads in parts])
+                inverse = torch.empty_like(head_order)
+                inverse[head_order] = torch.arange(len(head_order))
+                both = graph.call_function(torch.cat, (outputs, 1))
+                attn = graph.call_method("index_select", (both, 1, _register(gm, f"{prefix}_head_order",
+                                                                               inverse.to(device))))
+        store = k_chunk.args[0]
         m.sdpa.replace_all_uses_with(attn)
         graph.erase_node(m.sdpa)
         _erase_if_dead(graph, m.key_read.chain + m.value_read.chain)
@@ -140,6 +145,47 @@ def rewrite(
         raise RewriteError(f"oscar: the rewritten graph is malformed: {e}") from e
     gm.recompile()
     return done
+
+
+def _store(graph, gm, cache, layer, prefix, k_new, v_new, positions):
+    """``oscar.store`` of ``k_new, v_new`` into ``cache``: (its cache nodes, its transform nodes, the chunk k', v')."""
+    cache_nodes = [_register(gm, f"{prefix}_{name}", t) for name, t in zip(
+        ("k_codes", "k_meta", "v_codes", "v_meta", "k_sink", "v_sink", "k_ring", "v_ring"), cache.layers[layer].tensors())]
+    cache_nodes.append(_register(gm, f"{prefix}_block_table", cache.block_table))
+    tr = cache.transforms[layer]
+    t_nodes = {name: _register(gm, f"{prefix}_{name}", getattr(tr, name)) for name in tr._tensor_names()}
+    feedback = cache.store_key_feedback(tr)  # error-feedback rounding of per-channel keys, if calibrated
+    store = graph.call_function(
+        torch.ops.oscar.store.default,
+        (k_new, v_new, positions, *cache_nodes, t_nodes["key_transform"], t_nodes["key_mean"],
+         t_nodes["value_transform"], t_nodes["value_mean"], cache.store_key_clip(tr), float(tr.value_clip),
+         None if feedback is None else _register(gm, f"{prefix}_key_feedback", feedback)),
+    )
+    return (cache_nodes, t_nodes, graph.call_function(operator.getitem, (store, 0)),
+            graph.call_function(operator.getitem, (store, 1)))
+
+
+def _attend(graph, m: AttentionMatch, cache, device, query, positions, cache_nodes, t_nodes, mask, k_chunk, v_chunk):
+    """``oscar.attention`` of ``query`` over ``cache`` (what replaces the SDPA)."""
+    last = graph.call_method("amax", (positions, -1))
+    seq_lens = graph.call_method("reshape", (graph.call_function(operator.add, (last, 1)), -1))
+    if m.is_causal:
+        t = graph.call_method("size", (query, 2))
+        q_positions = graph.call_function(torch.arange, (t,), {"device": device})
+    else:
+        q_positions = positions
+    return graph.call_function(
+        torch.ops.oscar.attention.default,
+        (query, q_positions, seq_lens, *cache_nodes, t_nodes["query_transform"], t_nodes["output_transform"],
+         t_nodes["value_mean"], mask, bool(m.is_causal), float(m.scale), k_chunk, v_chunk, positions,
+         float(cache.score_debias)),
+    )
+
+
+def _query_heads(kv_heads, m: AttentionMatch) -> torch.Tensor:
+    """The query heads that read ``kv_heads`` (GQA: query head ``h`` reads KV head ``h // group``), in order."""
+    group = meta(m.query).shape[1] // m.num_kv_heads
+    return torch.tensor([h * group + i for h in kv_heads for i in range(group)], dtype=torch.long)
 
 
 def new_head_major(graph: fx.Graph, w: CacheWrite) -> fx.Node:

@@ -632,3 +632,30 @@ def test_cached_artifacts_with_a_long_context_check(tmp_path, monkeypatch):
     assert cached == {"default"} and again["default"].calibration["check_relative_error"] == art.calibration["check_relative_error"]
     with pytest.raises(ValueError, match="too few for a check"):
         demo.cached_artifacts_for(model, tok, "tiny", ["default"], 4096, **dict(kw, check_len=4000))
+
+
+def test_retrieval_heads_are_measured_saved_and_kept_exact_by_the_backend(tmp_path, monkeypatch):
+    # induction scores are attention masses (in [0, 1], one per layer and KV head); with a planted induction head
+    # (layer 1's KV head 0 at 0.9, the rest near 0) with_retrieval_heads records the scores and picks it, the artifact
+    # keeps it through save/load, and exact_heads="auto" splits that layer's storage
+    from oscar_compile.calibration import induction_scores, with_retrieval_heads
+    from oscar_compile.calibration.retrieval_heads import SPAN
+
+    model = tiny_model("llama")
+    art = calibrate(model, _batches(), method="default", progress=False, data_description="random tokens")
+    scores = induction_scores(model, 97, 1, span=8, rows=2)
+    assert len(scores) == 2 and all(len(s) == 2 and all(0 <= x <= 1 for x in s) for s in scores)
+    import oscar_compile.calibration.retrieval_heads as rh
+
+    monkeypatch.setattr(rh, "induction_scores", lambda *a, **k: [[0.01, 0.02], [0.9, 0.03]])  # the planted head
+    planted = with_retrieval_heads(model, art)
+    assert planted.retrieval_heads == {1: (0,)} and planted.calibration["retrieval_head_rule"]["span"] == SPAN
+    planted.save(tmp_path)
+    again = load_artifacts(tmp_path)
+    assert again.retrieval_heads == {1: (0,)} and again.has_retrieval_heads and not art.has_retrieval_heads
+    backend = oscar_compile.oscar_backend(again, inductor=False, num_sinks=1, window=2, page_size=4, exact_heads="auto")
+    logits = prefill_and_decode(torch.compile(model, backend=backend), _batches(1)[0], make_hf_cache("oscar", model, 40, 2), 3)
+    assert torch.isfinite(logits).all()
+    split = {key[0][1]: c.exact.exact_heads if c.exact else None for key, c in backend.storage.items()}
+    assert split == {0: None, 1: (0,)}
+    assert "layer 1 head 0 (0.90)" in again.summary()
