@@ -149,6 +149,8 @@ CONFIGS = {  # key: (label, options, compile mode: None = the --mode argument)
     "int2-channel": ("oscar INT2, per-channel keys (pages of 32)", {"key_format": "channel", "page_size": 32}, None),
     "int2-token": ("oscar INT2, per-token keys (pages of 16)", {"key_format": "token"}, None),
     "off": ("oscar, quantize off", {"quantize": False}, None),
+    # retrieval heads in BF16: KV head 0 of every other layer (1/16 of the KV heads at 8 a layer, the calibrated share)
+    "int2-xh": ("oscar INT2, KV head 0 of every other layer in BF16 (exact_heads; 1/16 of Llama-3-8B's heads)", {"exact_heads": "every-other-layer"}, None),
     "eager": ("bf16 StaticCache eager", "eager", None),
     "inductor": ("bf16 StaticCache + inductor (default mode)", None, "default"),
     "inductor-ro": ("bf16 StaticCache + inductor (reduce-overhead)", None, "reduce-overhead"),
@@ -165,6 +167,8 @@ def child(args):
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     model = make(name, int(layers) if layers else None, max(p for _, p in shapes) + args.new + 8)
     weights = torch.cuda.memory_allocated()
+    if isinstance(opts, dict) and opts.get("exact_heads") == "every-other-layer":
+        opts = dict(opts, exact_heads={layer: (0,) for layer in range(0, model.config.num_hidden_layers, 2)})
     if opts is None:
         model.compile(mode=None if mode == "default" else mode)
     elif opts != "eager":
