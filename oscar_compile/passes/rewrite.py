@@ -40,7 +40,7 @@ from .matcher import _METADATA_READS, SEQ_DIM, AttentionMatch, CacheWrite, Graph
 class Rewritten:
     match: AttentionMatch
     slot: str  # which INT2 storage it reads and writes (e.g. "layer 3")
-    store: fx.Node
+    store: fx.Node  # the INT2 part's store where the layer's retrieval heads are stored apart (exact_heads)
     attention: fx.Node
     storage: PagedInt2KVCache | None = None  # that storage
 
@@ -100,15 +100,16 @@ def rewrite(
             parts = [(cache, prefix, cache.exact.int2_heads), (cache.exact.cache, f"{prefix}_exact", cache.exact.exact_heads)]
         with graph.inserting_before(m.sdpa):
             mask = _mask(graph, m, device)
-        outputs = []
+        outputs, stores = [], []
         for part, part_prefix, heads in parts:
             with graph.inserting_before(later):
                 k_part, v_part = k_new, v_new
                 if heads is not None:
                     kv_index = _register(gm, f"{part_prefix}_heads", torch.tensor(heads, device=device))
                     k_part, v_part = (graph.call_method("index_select", (x, 1, kv_index)) for x in (k_new, v_new))
-                cache_nodes, t_nodes, k_chunk, v_chunk = _store(graph, gm, part, layer, part_prefix, k_part, v_part,
-                                                                positions)
+                cache_nodes, t_nodes, store = _store(graph, gm, part, layer, part_prefix, k_part, v_part, positions)
+                k_chunk, v_chunk = (graph.call_function(operator.getitem, (store, i)) for i in (0, 1))
+                stores.append(store)
             with graph.inserting_before(m.sdpa):
                 query, part_mask = m.query, mask
                 if heads is not None:
@@ -128,7 +129,6 @@ def rewrite(
                 both = graph.call_function(torch.cat, (outputs, 1))
                 attn = graph.call_method("index_select", (both, 1, _register(gm, f"{prefix}_head_order",
                                                                                inverse.to(device))))
-        store = k_chunk.args[0]
         m.sdpa.replace_all_uses_with(attn)
         graph.erase_node(m.sdpa)
         _erase_if_dead(graph, m.key_read.chain + m.value_read.chain)
@@ -138,7 +138,7 @@ def rewrite(
             else:
                 w.node.replace_all_uses_with(w.buffer)  # in-place writes return the buffer itself
                 graph.erase_node(w.node)
-        done.append(Rewritten(m, slot, store, attn, cache))
+        done.append(Rewritten(m, slot, stores[0], attn, cache))
     try:
         graph.lint()
     except Exception as e:  # pragma: no cover - a bug in this pass, never a user error
@@ -148,7 +148,8 @@ def rewrite(
 
 
 def _store(graph, gm, cache, layer, prefix, k_new, v_new, positions):
-    """``oscar.store`` of ``k_new, v_new`` into ``cache``: (its cache nodes, its transform nodes, the chunk k', v')."""
+    """``oscar.store`` of ``k_new, v_new`` into ``cache``: (its cache nodes, its transform nodes, the store node, whose
+    outputs are the chunk k', v')."""
     cache_nodes = [_register(gm, f"{prefix}_{name}", t) for name, t in zip(
         ("k_codes", "k_meta", "v_codes", "v_meta", "k_sink", "v_sink", "k_ring", "v_ring"), cache.layers[layer].tensors())]
     cache_nodes.append(_register(gm, f"{prefix}_block_table", cache.block_table))
@@ -161,8 +162,7 @@ def _store(graph, gm, cache, layer, prefix, k_new, v_new, positions):
          t_nodes["value_transform"], t_nodes["value_mean"], cache.store_key_clip(tr), float(tr.value_clip),
          None if feedback is None else _register(gm, f"{prefix}_key_feedback", feedback)),
     )
-    return (cache_nodes, t_nodes, graph.call_function(operator.getitem, (store, 0)),
-            graph.call_function(operator.getitem, (store, 1)))
+    return cache_nodes, t_nodes, store
 
 
 def _attend(graph, m: AttentionMatch, cache, device, query, positions, cache_nodes, t_nodes, mask, k_chunk, v_chunk):

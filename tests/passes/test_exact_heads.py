@@ -103,3 +103,20 @@ def test_retrieval_heads_are_the_best_induction_scores_within_the_share():
     assert select_retrieval_heads(scores, share=0.01) == [[2, 0]]  # at least one where any qualifies
     batch = induction_batch(500, 1, span=8, rows=2)
     assert batch.shape == (2, 17) and (batch[:, 0] == 1).all() and torch.equal(batch[:, 1:9], batch[:, 9:])
+
+
+def test_tensor_parallel_rank_keeps_its_share_of_the_exact_heads():
+    # a rank holding KV heads 2-3 of a layer (its k_proj shard's offset; tensor_parallel.first_kv_heads) keeps global
+    # head 3 exact as its local head 1, and a rank without any of a layer's exact heads splits nothing
+    model = _one_layer_model(silenced_heads=(0, 1, 2))
+    ids = torch.randint(3, 97, (2, 13), generator=torch.Generator().manual_seed(0))
+    exact = prefill_and_decode(model, ids, make_hf_cache("dynamic", model, 32, 2), STEPS)
+    for global_heads, first, local in (([3], 2, (1,)), ([1], 2, None)):
+        torch._dynamo.reset()
+        backend = oscar_backend(**OPTS, exact_heads={0: global_heads})
+        backend._first_kv_heads = {0: first}
+        got = prefill_and_decode(torch.compile(model, backend=backend), ids, make_hf_cache("oscar", model, 32, 2), STEPS)
+        (cache,) = backend.storage.values()
+        assert (cache.exact.exact_heads if cache.exact else None) == local
+        if local:  # seen through the exact head only: BF16's logits
+            torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4)
