@@ -39,7 +39,7 @@ def _calibration_rows(seq_len: int) -> int:
 
 def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens: int, progress: bool = True,
                          seq_len: int = 512, check_len: int = 0, check_seqs: int = 2, num_sinks: int = 64,
-                         window: int = 256, position_range: int | str | None = "auto"):
+                         window: int = 256, position_range: int | str | None = "auto", retrieval_heads: bool = True):
     """Artifacts of each method for ``model``, calibrated on the handbook (see :func:`calibration_text_name`)
     in sequences of ``seq_len`` tokens and cached under the user cache dir. The statistics are collected once,
     for the methods not cached. ``check_len``: also check every layer on ``check_seqs`` sequences of that many
@@ -47,7 +47,8 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
     cache's ``num_sinks`` and ``window`` exact), which keeps the outlier layers in BF16; cached apart from the
     unchecked artifacts. ``position_range``: calibration rows start at positions spread over that many
     (:func:`~.calibration.tracer.position_spread_forward`; ``"auto"``: the model's context, ``None``: all at
-    position 0); cached apart.
+    position 0); cached apart. ``retrieval_heads``: give the returned artifacts their retrieval heads (measured once
+    and saved where missing; the checked ones after the check, which they depend on).
 
     Returns ``({method: Artifacts}, {methods loaded from the cache})``.
     """
@@ -70,7 +71,7 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
 
     if check_len:
         found, cached = cached_artifacts_for(model, tok, model_name, methods, tokens, progress, seq_len,
-                                             position_range=position_range)
+                                             position_range=position_range, retrieval_heads=False)
         calibrated = [m for m in found if parse_method(m).clip_search]  # the check measures the clipped methods
         todo = [m for m in calibrated if not (path(m, True) / "oscar.json").exists()]
         stream = tok(load_text(calibration_text_name()), return_tensors="pt").input_ids[0] if todo else None
@@ -112,8 +113,9 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
         for method in missing:
             found[method] = derive_artifacts(stats, method, progress=progress)
             found[method].save(path(method))
-    for method in wanted:
-        found[method] = _with_retrieval_heads(model, found[method], path(method), progress)
+    if retrieval_heads:
+        for method in wanted:
+            found[method] = _with_retrieval_heads(model, found[method], path(method), progress)
     return found, cached
 
 

@@ -17,6 +17,7 @@ import torch
 
 from .artifacts import Artifacts
 from .clipping import PAGE_CLIP_GRID, lower_medians, relative_errors
+from .retrieval_heads import select_retrieval_heads, selection_rule as _selection_rule
 from .statistics import StatsObserver
 
 # A layer is an outlier where its key or value error is this many times the layers' (lower) median error...
@@ -131,6 +132,9 @@ def check_layers(model: torch.nn.Module, artifacts: Artifacts, batches: Iterable
     cal = dict(artifacts.calibration, check_relative_error=errors, check_tokens=tokens,
                check_seq_len=int(batches[0].shape[1]), check_sinks_window=[num_sinks, window],
                check_key_format=[key_format, page_size], bf16_layers=chosen)
+    if "induction_scores" in cal:  # retrieval heads measured before: the layers now kept in BF16 are no candidates
+        cal["retrieval_heads"] = select_retrieval_heads(cal["induction_scores"], set(sliding) | set(chosen),
+                                                        **_selection_rule(cal))
     if key_page:
         cal.update(check_token_key_error=[token_key_errors.get(i) for i in range(len(errors))],
                    token_key_layers=token_layers, key_page_clips=page_clips,

@@ -16,6 +16,7 @@ of the needle's top 8 (Spearman 0.82 over all heads). The backend keeps the chos
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -71,9 +72,16 @@ def select_retrieval_heads(scores: list[list[float]], skip_layers=(), floor: flo
     (at least one where any qualifies); ``skip_layers`` (sliding-window or BF16 layers: not INT2) are never chosen."""
     total = sum(len(s) for s in scores)
     cap = max(1, int(total * share))
+    skip = set(skip_layers)
     ranked = sorted(((s, layer, head) for layer, row in enumerate(scores) for head, s in enumerate(row)
-                     if layer not in set(skip_layers) and s >= floor), reverse=True)
+                     if layer not in skip and s >= floor), reverse=True)
     return sorted([layer, head] for _, layer, head in ranked[:cap])
+
+
+def selection_rule(calibration: dict) -> dict:
+    """The ``floor`` and ``share`` an artifact's retrieval heads were chosen with (the defaults where unrecorded)."""
+    rule = calibration.get("retrieval_head_rule", {})
+    return {"floor": rule.get("floor", INDUCTION_FLOOR), "share": rule.get("share", RETRIEVAL_HEAD_SHARE)}
 
 
 def with_retrieval_heads(model: torch.nn.Module, artifacts, *, forward: Callable | None = None,
@@ -81,8 +89,6 @@ def with_retrieval_heads(model: torch.nn.Module, artifacts, *, forward: Callable
     """``artifacts`` with ``calibration["induction_scores"]`` and the chosen ``calibration["retrieval_heads"]`` (what
     the backend's ``exact_heads="auto"`` keeps in BF16). Layers the artifact keeps in BF16 or as sliding windows
     are not candidates."""
-    import dataclasses
-
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     bos = getattr(cfg, "bos_token_id", None)
     bos = bos[0] if isinstance(bos, (list, tuple)) else bos

@@ -310,6 +310,13 @@ def test_long_context_check_records_errors_and_the_backend_keeps_its_layers(tmp_
     assert checked.calibration["check_tokens"] == 80 and "bf16_layers" not in art.calibration  # a copy
     planted = check_layers(model, art, long, num_sinks=2, window=8, progress=False, factor=0.0, floor=0.0, max_layers=1)
     assert len(planted.bf16_layers) == 1  # every layer qualifies: the worst one is kept
+    # retrieval heads measured before the check are chosen again without the layer it keeps in BF16 (the scores stay)
+    scored = dataclasses.replace(art, calibration=dict(art.calibration, induction_scores=[[0.5, 0.4], [0.6, 0.3]],
+                                                       retrieval_heads=[[1, 0]]))
+    rechecked = check_layers(model, scored, long, num_sinks=2, window=8, progress=False, factor=0.0, floor=0.0,
+                             max_layers=1)
+    other = 1 - rechecked.bf16_layers[0]
+    assert rechecked.retrieval_heads == {other: (0,)}  # 1/16 of 4 heads: one, the best outside the BF16 layer
     planted.save(tmp_path)
     again = load_artifacts(tmp_path)
     assert again.bf16_layers == planted.bf16_layers and "kept in BF16: [" in again.summary()
