@@ -11,32 +11,81 @@ Sizes. ``max_cache_len`` is the most tokens a sequence holds (prompt plus every 
 write past it raises :class:`~oscar_compile.CacheCapacityError` before anything runs (the host follows
 each layer's ``cumulative_length``, see :mod:`oscar_compile.passes.capacity`). The batch size is
 ``max_batch_size`` when given, else that of the first input, as ``StaticCache`` does; a larger batch
-later raises. The INT2 storage itself belongs to the backend (one per layer, reused across caches).
+later raises. The INT2 storage itself belongs to the backend (one per layer, reused across caches), and so do,
+in effect, the position counters: a new cache reuses those of a cache that is gone (:class:`_CounterPool`).
 """
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from . import ops
-from .passes.capacity import track_counter
+from .passes.capacity import forget_counter, known_value, track_counter
 from .tensor_parallel import local_kv_heads, tensor_parallel_size
+
+
+class _CounterPool:
+    """Position counters handed from caches that are gone to new ones, layer by layer, at the same addresses.
+
+    A counter is a graph input marked static (each call's ``add_`` must land in it under CUDA graphs), so under
+    ``mode="reduce-overhead"`` a counter at a new address makes every CUDA graph that reads it re-record: a new
+    cache a request would cost each request a recording (seconds of prefill at 16 x 4K), and after
+    ``cudagraph_unexpected_rerecord_limit`` (128) re-records Inductor stops using CUDA graphs for that graph at all.
+    Live caches never share a counter: a counter returns here only when its layer is garbage collected."""
+
+    def __init__(self):
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._out: dict[tuple, int] = {}  # counters held by layers not yet given back
+
+    def reclaim(self, device: torch.device) -> None:
+        """Before a new cache takes counters: if none is free but some are out, collect garbage once. A cache
+        freed in a reference cycle (the first, whose call compiled the graphs, is) gives its counters back only
+        when the cycle collector runs; without it the second cache would take new addresses and re-record."""
+        if not self._free.get((device, 0)) and self._out.get((device, 0)):
+            gc.collect()
+
+    def take(self, device: torch.device, layer: int) -> torch.Tensor:
+        self._out[device, layer] = self._out.get((device, layer), 0) + 1
+        free = self._free.get((device, layer))
+        if free:
+            t = free.pop()
+            forget_counter(t)  # a new owner: nothing of the old cache's positions or storage carries over
+            t.zero_()
+            return t
+        t = torch.zeros((), dtype=torch.long, device=device)
+        torch._dynamo.mark_static_address(t)
+        return t
+
+    def give(self, device: torch.device, layer: int, t: torch.Tensor) -> None:
+        self._out[device, layer] -= 1
+        free = self._free.setdefault((device, layer), [])
+        # taken last to first: a counter that never advanced was never read by a CUDA graph, so it goes below
+        free.insert(len(free) if known_value(t) else 0, t)
+
+
+_COUNTER_POOL = _CounterPool()
 
 
 class OscarLayer(StaticLayer):
     """One layer of an :class:`OscarCache`: a stub, a position counter and the host's copy of it."""
 
-    def __init__(self, max_cache_len: int, num_heads: int, head_dim: int, dtype, device, batch_size: int | None):
+    def __init__(self, max_cache_len: int, num_heads: int, head_dim: int, dtype, device, batch_size: int | None,
+                 index: int = 0):
         super().__init__(max_cache_len=max_cache_len)
         self.device, self.num_heads, self.batch_size = device, num_heads, batch_size
         self.k_head_dim = self.v_head_dim = head_dim
         # One element of memory, seen as [1, heads, max_cache_len, head_dim] and expanded to each input's batch.
         self.keys = torch.empty(1, dtype=dtype, device=device).expand(1, num_heads, max_cache_len, head_dim)
         self.values = torch.empty(1, dtype=dtype, device=device).expand(1, num_heads, max_cache_len, head_dim)
-        self.cumulative_length = torch.zeros((), dtype=torch.long, device=device)
-        torch._dynamo.mark_static_address(self.cumulative_length)
+        device = torch.device(device)
+        # the counter of a gone cache's layer `index`, at the address the compiled CUDA graphs recorded
+        self.cumulative_length = _COUNTER_POOL.take(device, index)
+        weakref.finalize(self, _COUNTER_POOL.give, device, index, self.cumulative_length)
         self._counter = track_counter(self.cumulative_length, 0, owner=self)
         self._rows = None  # rows of the sequences held now
         self.is_initialized = True
@@ -123,7 +172,9 @@ class OscarCache(StaticCache):
         device = torch.device(device or (model.device if model is not None else "cpu"))
         heads, head_dim = kv_geometry(config)
         heads = local_kv_heads(heads, tensor_parallel_size(model))
-        self.layers = [OscarLayer(max_cache_len, heads, head_dim, dtype, device, max_batch_size) for _ in self.layers]
+        _COUNTER_POOL.reclaim(device)
+        self.layers = [OscarLayer(max_cache_len, heads, head_dim, dtype, device, max_batch_size, i)
+                       for i in range(len(self.layers))]
 
     # transformers 5.17 derives max_batch_size from the layers (a read-only property, deprecated); newer
     # releases store it. Ours is the batch the cache holds: given, or taken from the first input.

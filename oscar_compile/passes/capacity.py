@@ -86,6 +86,17 @@ def track_counter(t: torch.Tensor, value: int, owner=None) -> HostCounter:
     return c
 
 
+def forget_counter(t: torch.Tensor) -> None:
+    """Drop what the host knows of counter ``t`` (its value, owner and storage): it is being reused by a new cache."""
+    _COUNTERS.pop(t, None)
+
+
+def known_value(t: torch.Tensor) -> int | None:
+    """The host's copy of counter ``t``'s value, None if it has none (no device read)."""
+    c = _COUNTERS.get(t)
+    return None if c is None else c.value
+
+
 def host_counter(t: torch.Tensor) -> HostCounter:
     """The host copy of ``t``; read from the device only if unknown or changed outside compiled graphs."""
     c = _COUNTERS.get(t)

@@ -208,3 +208,30 @@ def test_two_caches_interleaved_on_one_backend_are_refused():
         model(_ids(1, 1), **{kw: b}, use_cache=True)  # b continues
         a.reset()
         model(_ids(1, 5), **{kw: a}, use_cache=True)  # and a starts again
+
+
+def test_a_new_cache_reuses_the_position_counters_of_a_gone_one():
+    """Counters are static graph inputs: at a new address every CUDA graph re-records (seconds a request under
+    reduce-overhead, and no CUDA graphs at all past Inductor's re-record limit). A cache takes those of a cache
+    that is gone, even one freed only by the cycle collector (the first, whose call compiled), starting afresh;
+    caches alive together never share one."""
+    model = tiny_model("llama")
+    oscar_compile.compile(model, inductor=False, **OPTS)
+    ids = _ids(2, 9)
+
+    def generate(cache):
+        return model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
+
+    first = OscarCache(model, max_cache_len=32)
+    expected = generate(first)
+    addresses = [layer.cumulative_length.data_ptr() for layer in first.layers]
+    del first
+    for _ in range(2):
+        cache = OscarCache(model, max_cache_len=32)
+        assert [layer.cumulative_length.data_ptr() for layer in cache.layers] == addresses
+        assert all(int(layer.cumulative_length) == 0 for layer in cache.layers)
+        assert torch.equal(generate(cache), expected)  # nothing of the previous cache's positions carried over
+        assert int(cache.layers[0].cumulative_length) == 13
+        other = OscarCache(model, max_cache_len=32)
+        assert not {layer.cumulative_length.data_ptr() for layer in other.layers} & set(addresses)
+        del cache, other
