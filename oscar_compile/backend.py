@@ -147,9 +147,11 @@ class BackendOptions:
     # without induction scores; None or {}: every head INT2. A head in BF16 costs ~13 bits an element more of its
     # pages; ``bits_per_element`` in the eval counts it. Layers in BF16 or with sliding windows are left alone.
     # Measured 2026-12-06 (README, Accuracy): the answer NLL against BF16 from +1.32 to +0.05 nats on SmolLM2 at 2K,
-    # +0.16 to +0.06 on the held-out Qwen2.5-Coder-0.5B; +0.7-0.8 bits an element at 8K; on the H100 decode -7% and
-    # a 4x slower time to first token (the companion's prefill route), so not the default yet.
-    exact_heads: dict | str | None = None
+    # +0.16 to +0.06 on the held-out Qwen2.5-Coder-0.5B; +0.7-0.8 bits an element at 8K. The default since
+    # 2026-12-06 (late), once its speed was known: on the H100 (Llama-3-8B shape, 8 layers, 16 x 4K) time to first
+    # token +7%, decode -7% to -18%, still 1.8x BF16's (the 4x slower first token measured before was every new
+    # cache re-recording the CUDA graphs, hf._CounterPool). None: every head INT2, the most compression.
+    exact_heads: dict | str | None = "auto"
 
 
 DEFAULT_PAGE_SIZE = {"channel": 32, "token": 16}  # tokens a page, by key format (BackendOptions.page_size=None)

@@ -255,7 +255,8 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     "method:fb": per-channel keys rounded with error feedback (the backend's key_feedback=True; "auto", the default,
     does so where the artifact carries the factors; the baselines identity, hadamard and oscar round plainly unless
     tagged so); "method:nofb": plain rounding (key_feedback=False); "method:xh": the artifact's retrieval heads kept
-    in BF16 (the backend's exact_heads="auto"); "method:noxh": every head INT2 (exact_heads=None);
+    in BF16 (the backend's exact_heads="auto", the default since 2026-12-06; the baselines keep every head INT2
+    unless tagged so); "method:noxh": every head INT2 (exact_heads=None);
     "method:d" ("method:d0.5"): INT2 scores debiased by 1 (0.5) times half their rounding noise's variance (the
     backend's score_debias). The key-format, range and debias tags come back as each method's backend options."""
     from .backend import DEFAULT_PAGE_SIZE

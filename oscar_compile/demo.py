@@ -232,6 +232,13 @@ def run_demo(model_name: str = "smollm2-135m", method: str = "default", calib_to
                              window=window, key_format=fmt, page_size=resolve_page_size(fmt, None), device="meta")
     for ctx in (1024, 8192):
         print("   " + str(cache.memory_report(ctx)))
+    heads = [f"{layer}.{h}" for layer, hs in sorted(art.retrieval_heads.items()) for h in hs]
+    if heads:  # the backend's default keeps them in BF16 beside the INT2 heads (exact_heads="auto")
+        total = model.config.num_hidden_layers * kv_geometry(model)[0]
+        for ctx in (1024, 8192):
+            ours = bits_per_element(model.config, Method("oscar", "oscar", art), ctx, num_sinks, window)
+            print(f"   with its {len(heads)} retrieval heads of {total} in BF16 ({', '.join(heads)}; the default, "
+                  f"exact_heads=None for none): context {ctx}: {ours:.2f} bits/element")
     from .hf import sliding_windows
 
     slides = len(sliding_windows(model))

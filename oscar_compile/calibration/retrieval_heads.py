@@ -84,19 +84,37 @@ def selection_rule(calibration: dict) -> dict:
     return {"floor": rule.get("floor", INDUCTION_FLOOR), "share": rule.get("share", RETRIEVAL_HEAD_SHARE)}
 
 
+def induction_inputs(model: torch.nn.Module) -> tuple[int, int | None, int]:
+    """``(vocabulary size, BOS id or None, span)`` of the induction batch for ``model``: token ids its input embeddings
+    hold, and a span that fits its position embeddings twice (GPT-2's 1024, say). Raises ValueError where the model
+    tells neither a ``config.vocab_size`` nor input embeddings."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    sizes = [int(n) for n in (getattr(cfg, "vocab_size", None), getattr(emb, "num_embeddings", None)) if n]
+    if not sizes:
+        raise ValueError(f"oscar: {type(model).__name__} tells no vocabulary size (no config.vocab_size, no input "
+                         "embeddings), so its retrieval heads cannot be measured; pass retrieval_heads=False")
+    vocab = min(sizes)
+    bos = getattr(cfg, "bos_token_id", None)
+    bos = bos[0] if isinstance(bos, (list, tuple)) else bos
+    bos = bos if isinstance(bos, int) and 0 <= bos < vocab else None
+    positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    span = min(SPAN, (int(positions) - 1) // 2) if positions else SPAN
+    return vocab, bos, span
+
+
 def with_retrieval_heads(model: torch.nn.Module, artifacts, *, forward: Callable | None = None,
                          floor: float = INDUCTION_FLOOR, share: float = RETRIEVAL_HEAD_SHARE):
     """``artifacts`` with ``calibration["induction_scores"]`` and the chosen ``calibration["retrieval_heads"]`` (what
     the backend's ``exact_heads="auto"`` keeps in BF16). Layers the artifact keeps in BF16 or as sliding windows
     are not candidates."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    bos = getattr(cfg, "bos_token_id", None)
-    bos = bos[0] if isinstance(bos, (list, tuple)) else bos
-    scores = induction_scores(model, int(cfg.vocab_size), bos, forward=forward)
+    vocab, bos, span = induction_inputs(model)
+    scores = induction_scores(model, vocab, bos, forward=forward, span=span)
     if len(scores) != len(artifacts.layers):
         raise RuntimeError(f"oscar: induction scores for {len(scores)} layers, the artifact has {len(artifacts.layers)}")
     skip = set(artifacts.sliding_windows) | set(artifacts.bf16_layers)
     heads = select_retrieval_heads(scores, skip, floor, share)
     cal = dict(artifacts.calibration, induction_scores=scores, retrieval_heads=heads,
-               retrieval_head_rule={"floor": floor, "share": share, "span": SPAN, "rows": ROWS})
+               retrieval_head_rule={"floor": floor, "share": share, "span": span, "rows": ROWS})
     return dataclasses.replace(artifacts, calibration=cal)

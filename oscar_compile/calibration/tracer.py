@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -15,6 +16,8 @@ from ..quant import feedback_factor
 from .clipping import CLIP_GRID, attention_probs, relative_errors, search_clip
 from .rotations import derive_transforms, parse_method
 from .statistics import StatsObserver
+
+log = logging.getLogger("oscar_compile.calibration")
 
 
 def hf_forward(model, batch: torch.Tensor, position_ids: torch.Tensor | None = None):
@@ -284,17 +287,30 @@ def calibrate(
     data_description: str = "",
     progress: bool = True,
     position_range: int | str | None = "auto",
+    retrieval_heads: bool = True,
 ) -> Artifacts:
     """Calibrate ``model`` on token ``batches`` (``[B, T]`` LongTensors) and return :class:`Artifacts`.
 
-    :func:`collect_statistics` then :func:`derive_artifacts`; see both. Deterministic, and reproducible across
+    :func:`collect_statistics` then :func:`derive_artifacts`; see both. ``retrieval_heads``: also measure each KV
+    head's induction score (one forward pass of random tokens said twice) and record the heads the backend keeps in
+    BF16 by default (:func:`~.retrieval_heads.with_retrieval_heads`). Deterministic, and reproducible across
     machines and thread counts to rounding (eigenvector signs and zero-eigenvalue bases are fixed, see
     :func:`~.rotations.sorted_eigenbasis`); a clip ratio whose held-out errors tie can still differ.
     """
     stats = collect_statistics(model, batches, heldout_batches=heldout_batches, skip_first=skip_first,
                                forward=forward, data_description=data_description, progress=progress,
                                position_range=position_range)
-    return derive_artifacts(stats, method, group_size=group_size, clip_grid=clip_grid, progress=progress)
+    artifacts = derive_artifacts(stats, method, group_size=group_size, clip_grid=clip_grid, progress=progress)
+    if retrieval_heads:
+        from .retrieval_heads import induction_inputs, with_retrieval_heads
+
+        try:
+            induction_inputs(model)
+        except ValueError as e:  # a hand-written model without a vocabulary to draw from: every head stays INT2
+            log.warning("%s (calibrated without them)", e)
+            return artifacts
+        artifacts = with_retrieval_heads(model, artifacts, forward=forward)
+    return artifacts
 
 
 def token_batches(token_ids: list[int] | torch.Tensor, seq_len: int, batch_size: int, max_tokens: int | None = None):

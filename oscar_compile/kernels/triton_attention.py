@@ -1145,7 +1145,10 @@ def _plan_tile(b: int, h: int, g: int, tq: int, chunk_len: int, d: int, geo, sms
         # an INT2 one), so at short contexts they are not the tail. At small batch that is too few programs
         # (8 at batch 1: latency-bound), so also aim for ~2 per SM.
         fill = triton.cdiv(bf16_keys, max(1, 2 * sms // (b * h * m_blocks)))
-        per_page_split = max(keys_per_split // 7, 1) if nsplit else fill
+        # A cache whose ring holds more keys than its pages (a BF16 companion holding every token: its one page is
+        # never filled) is all BF16 keys: split them only to fill the GPU, or its 4K keys take 65 splits to merge.
+        ring_bound = geo.num_sinks + geo.window >= page_keys
+        per_page_split = max(keys_per_split // 7, 1) if nsplit and not ring_bound else fill
         bf16_per_split = triton.cdiv(min(per_page_split, fill), BF16_BLOCK_N) * BF16_BLOCK_N
     nb = triton.cdiv(bf16_keys, bf16_per_split)
     rows = b * h * m_total

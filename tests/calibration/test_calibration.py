@@ -375,6 +375,9 @@ def test_calibrate_each_family_and_compile_with_the_artifact(family, tmp_path):
     model = tiny_model(family)
     art = calibrate(model, _batches(), method="default", progress=False, data_description="random tokens")
     assert len(art.layers) == model.config.num_hidden_layers and art.calibration["tokens"] == 3 * 2 * 24
+    # the induction scores of every KV head (random weights: rarely a retrieval head), in a batch its positions hold
+    scores = art.calibration["induction_scores"]
+    assert art.has_retrieval_heads and len(scores) == len(art.layers) and all(0 <= x <= 1 for s in scores for x in s)
     for k_clip, v_clip in art.clip_ratios:
         assert 0 < k_clip <= 1 and 0 < v_clip <= 1
     art.save(tmp_path)
@@ -438,10 +441,12 @@ def test_artifact_calibrated_at_position_0_only_warns_on_load(tmp_path):
         load_artifacts(tmp_path)
 
 
-def test_calibrate_hand_written_decoder():
+def test_calibrate_hand_written_decoder(caplog):
     model = TinyDecoder()
     art = calibrate(model, _batches(), forward=lambda m, x: m(x, torch.arange(x.shape[1])), progress=False)
     assert len(art.layers) == 2 and art.fingerprint["num_kv_heads"] == 2 and art.fingerprint["head_dim"] == 16
+    # no vocabulary to draw random tokens from: no retrieval heads (every head INT2), and it says so
+    assert not art.has_retrieval_heads and "tells no vocabulary size" in caplog.text
 
 
 def test_calibrate_sequence_major_cache_equals_head_major():
@@ -649,14 +654,16 @@ def test_retrieval_heads_are_measured_saved_and_kept_exact_by_the_backend(tmp_pa
     from oscar_compile.calibration.retrieval_heads import SPAN
 
     model = tiny_model("llama")
-    art = calibrate(model, _batches(), method="default", progress=False, data_description="random tokens")
+    art = calibrate(model, _batches(), method="default", progress=False, data_description="random tokens",
+                    retrieval_heads=False)
     scores = induction_scores(model, 97, 1, span=8, rows=2)
     assert len(scores) == 2 and all(len(s) == 2 and all(0 <= x <= 1 for x in s) for s in scores)
     import oscar_compile.calibration.retrieval_heads as rh
 
     monkeypatch.setattr(rh, "induction_scores", lambda *a, **k: [[0.01, 0.02], [0.9, 0.03]])  # the planted head
     planted = with_retrieval_heads(model, art)
-    assert planted.retrieval_heads == {1: (0,)} and planted.calibration["retrieval_head_rule"]["span"] == SPAN
+    # the span that fits the model's 256 positions twice, after the BOS token
+    assert planted.retrieval_heads == {1: (0,)} and planted.calibration["retrieval_head_rule"]["span"] == min(SPAN, 127)
     planted.save(tmp_path)
     again = load_artifacts(tmp_path)
     assert again.retrieval_heads == {1: (0,)} and again.has_retrieval_heads and not art.has_retrieval_heads

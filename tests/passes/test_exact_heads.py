@@ -1,11 +1,13 @@
 """exact_heads: a layer's retrieval heads in a BF16 companion, the others in INT2, through the compiled model."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from oscar_compile import oscar_backend
-from oscar_compile.backend import resolve_exact_heads
+from oscar_compile.backend import BackendOptions, resolve_exact_heads
 from oscar_compile.cache import PagedInt2KVCache
 from oscar_compile.calibration.retrieval_heads import induction_batch, select_retrieval_heads
 from oscar_compile.testing import make_hf_cache, prefill_and_decode, rel_error
@@ -70,6 +72,10 @@ def test_every_head_exact_is_a_bf16_layer():
 def test_exact_heads_option_is_checked():
     assert resolve_exact_heads(None) == {} and resolve_exact_heads("auto") == {}  # no artifact: none
     assert resolve_exact_heads({3: [2, 0, 2]}) == {3: (0, 2)}
+    # the default keeps an artifact's retrieval heads exact ("auto"); None keeps every head INT2
+    art = SimpleNamespace(retrieval_heads={1: (0,)})
+    assert BackendOptions.exact_heads == "auto" and resolve_exact_heads(BackendOptions.exact_heads, art) == {1: (0,)}
+    assert resolve_exact_heads(None, art) == {}
     for bad in ({0: []}, {0: [-1]}, {-1: [0]}, {0: 1}, "all"):
         with pytest.raises(ValueError, match="exact_heads"):
             oscar_backend(exact_heads=bad)
