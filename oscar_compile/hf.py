@@ -46,14 +46,17 @@ class _CounterPool:
         """Before a new cache takes counters: if none is free but some are out, collect garbage once. A cache
         freed in a reference cycle (the first, whose call compiled the graphs, is) gives its counters back only
         when the cycle collector runs; without it the second cache would take new addresses and re-record."""
-        if not self._free.get((device, 0)) and self._out.get((device, 0)):
+        mode = torch.is_inference_mode_enabled()
+        if not any(t.is_inference() == mode for t in self._free.get((device, 0), ())) and self._out.get((device, 0)):
             gc.collect()
 
     def take(self, device: torch.device, layer: int) -> torch.Tensor:
         self._out[device, layer] = self._out.get((device, layer), 0) + 1
-        free = self._free.get((device, layer))
-        if free:
-            t = free.pop()
+        free = self._free.get((device, layer), [])
+        # an inference tensor takes in-place updates only in inference mode: reuse a counter in the mode it was made in
+        fit = [i for i, t in enumerate(free) if t.is_inference() == torch.is_inference_mode_enabled()]
+        if fit:
+            t = free.pop(fit[-1])
             forget_counter(t)  # a new owner: nothing of the old cache's positions or storage carries over
             t.zero_()
             return t

@@ -176,6 +176,22 @@ def test_full_cache_raises_on_cuda_without_a_sync_per_step(mode):
     assert int(cache.layers[0].cumulative_length) == 24
 
 
+def test_a_counter_made_in_inference_mode_is_reused_only_there():
+    # an inference tensor refuses in-place updates outside inference mode: a cache made outside never takes one
+    model = tiny_model("llama")
+    with torch.inference_mode():
+        made = OscarCache(model, max_cache_len=8)
+        counter = made.layers[0].cumulative_length
+        assert counter.is_inference()
+    del made
+    outside = OscarCache(model, max_cache_len=8)
+    assert all(not layer.cumulative_length.is_inference() for layer in outside.layers)
+    outside.layers[0].cumulative_length.add_(1)  # what a compiled call does
+    with torch.inference_mode():
+        again = OscarCache(model, max_cache_len=8)
+        assert again.layers[0].cumulative_length is counter and int(counter) == 0
+
+
 @pytest.mark.gpu
 def test_a_new_cache_records_no_cuda_graph_again():
     """Under reduce-overhead, a generate on a second cache (the first one gone) replays the CUDA graphs the first
