@@ -34,9 +34,12 @@ def format_graph_summary(rec: CompiledGraph) -> str:
             m = r.match
             heads = f"{m.num_q_heads}/{m.num_kv_heads}"
             write = m.write_kind + (" [B,T,H,d]" if m.layout == "sequence-major" else "")  # head-major unmarked
+            exact = getattr(r.storage, "exact", None)  # retrieval heads kept in BF16 beside the INT2 ones
+            split = "" if exact is None else (f"  KV heads {','.join(map(str, exact.exact_heads))} BF16, "
+                                              f"{','.join(map(str, exact.int2_heads))} INT2")
             lines.append(
                 f"  {m.index:>3}  {m.sdpa.name:<22} {r.slot:<10} {write:<12} {heads:<10} {m.head_dim:>4}  "
-                f"{_fmt(m.q_len):<8} {m.mask_kind:<9} {'yes' if m.is_causal else 'no':<6} {m.scale:<8.4g}"
+                f"{_fmt(m.q_len):<8} {m.mask_kind:<9} {'yes' if m.is_causal else 'no':<6} {m.scale:<8.4g}{split}"
             )
     for u in a.unmatched:
         lines.append(f"  left unchanged: {u.kind} {u.node.name}: {u.reason}")

@@ -26,6 +26,12 @@ graph 1: 2 attention call(s), 2 rewritten, 0 attention / 0 cache write(s) left u
     0  attn_output            layer 0    index_copy_  6/2          16  1        bool      no     0.25
     1  attn_output_5          layer 1    index_copy_  6/2          16  1        bool      no     0.25""")
 
+    def test_exact_heads_summary(self):
+        # a layer whose retrieval heads stay in BF16 (exact_heads) says which heads are which
+        backend = oscar_compile.oscar_backend(inductor=False, exact_heads={1: [0]})
+        report = oscar_compile.explain(tiny_model("llama"), _ids(), max_new_tokens=1, cache="oscar", backend=backend)
+        self.assertExpectedInline(report.summary().splitlines()[3], """    1  attn_output_5          layer 1    index_copy_  6/2          16  9        bool      no     0.25      KV heads 0 BF16, 1 INT2""")
+
     def test_dynamic_cache_summary(self):
         report = oscar_compile.explain(tiny_model("gpt2"), _ids(), max_new_tokens=1, cache="dynamic")
         self.assertExpectedInline(report.summary(), """\
