@@ -149,9 +149,9 @@ class BackendOptions:
     # Measured 2026-12-06 (README, Accuracy): the answer NLL against BF16 from +1.32 to +0.05 nats on SmolLM2 at 2K,
     # +0.16 to +0.06 on the held-out Qwen2.5-Coder-0.5B; +0.7-0.8 bits an element at 8K. The default since
     # 2026-12-06 (late), once its speed was known: on the H100 (Llama-3-8B shape, 8 layers, 1/16 of the heads) time
-    # to first token +8% (16 x 4K) and +15% (64 x 8K), decode -18% and -16% (still 1.8x BF16's at 16 x 4K), storage
-    # +25% (the 4x slower first token measured before was every new cache re-recording the CUDA graphs, fixed by
-    # hf._CounterPool). None: every head INT2, the most compression.
+    # to first token +8% (16 x 4K) and +15% (64 x 8K), decode -18% and -16% against every head INT2, storage +25%
+    # (the 4x slower first token measured before was every new cache re-recording the CUDA graphs, fixed by
+    # hf._CounterPool); not yet measured at full depth or 1 x 128K. None: every head INT2, the most compression.
     exact_heads: dict | str | None = "auto"
 
 

@@ -10,7 +10,7 @@ Those heads are induction heads, and an induction head shows itself on any text 
 repeated once, a query in the second copy puts its attention on the token after its own first occurrence. The
 score of a KV head is that attention mass, averaged over its query heads and positions. It is model-agnostic (one
 forward pass through the calibration tracer, no needle, no evaluation text), and on SmolLM2 its top 8 heads hold 7
-of the needle's top 8 (Spearman 0.82 over all heads). The backend keeps the chosen heads' keys and values in BF16
+of the needle's top 8 (Spearman 0.81 over all heads). The backend keeps the chosen heads' keys and values in BF16
 (``exact_heads``) and the rest in INT2.
 """
 

@@ -123,9 +123,7 @@ def rewrite(
             if len(outputs) == 1:
                 attn = outputs[0]
             else:  # the parts' heads back in the model's order
-                head_order = torch.cat([_query_heads(heads, m) for _, _, heads in parts])
-                inverse = torch.empty_like(head_order)
-                inverse[head_order] = torch.arange(len(head_order))
+                inverse = torch.cat([_query_heads(heads, m) for _, _, heads in parts]).argsort()
                 both = graph.call_function(torch.cat, (outputs, 1))
                 attn = graph.call_method("index_select", (both, 1, _register(gm, f"{prefix}_head_order",
                                                                                inverse.to(device))))
