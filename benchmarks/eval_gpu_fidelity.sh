@@ -21,6 +21,10 @@
 #   serves it, 32K (8 x 128). CONTEXTS picks lengths.
 # heldout: a model none of the method's choices were made on (Qwen2.5-Coder-0.5B): every baseline at 2K (128 x 64),
 #   the default and its page range option at 8K (32 x 128), the default at 32K (10 x 128), retrieval at each length.
+# fresh: a model measured on the GPU for the first time (Qwen2.5-Coder-1.5B, 2026-12-06): every baseline, every head
+#   INT2 (`default:noxh`) and the default at 2K (128 x 64); BF16, KIVI-2, every head INT2 and the default at 8K
+#   (32 x 128) and 32K (10 x 128), one length after another; retrieval at RSAMPLES x 6 prompts a length (RSAMPLES
+#   defaults to 2; on the 1.5B a prompt of 8K took ~8 s a method on the H100).
 # Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU)
 # staged with `eval_gpu.sh stage` (see that script). The evals stop after LIMIT seconds (default 540, under the call's
 # 600) and what they measured is packed into OUT/results.tgz: a call brings back at most 8 files.
@@ -33,6 +37,7 @@ gguf_of() {
     gemma3-270m) echo gemma-3-270m-q4_k_m.gguf ;;
     smollm2-135m) echo SmolLM2-135M-Instruct.Q4_1.gguf ;;
     qwen2.5-coder-0.5b) echo qwen2.5-coder-0.5b-instruct-q4_k_m.gguf ;;
+    qwen2.5-coder-1.5b) echo qwen2.5-coder-1.5b-instruct-q4_k_m.gguf ;;
   esac
 }
 E="bash benchmarks/eval_gpu.sh run"
@@ -82,13 +87,22 @@ exact() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
 }
 heldout() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: methods
   $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" --methods "$5" \
-     --retrieval-lengths "$2" --retrieval-samples 2 --out "$W" \
+     --retrieval-lengths "$2" --retrieval-samples ${RSAMPLES:-2} --out "$W" \
      --name "eval_$1_${CARD}_$(($2 / 1024))k_heldout" > "$W/$1_$2_heldout.log" 2>&1
 }
 for m in $MODELS; do
   case $1 in heldout)
     heldout $m 2048 128 64 bf16,kivi,identity,hadamard,oscar,default,default:kr &
     heldout $m 8192 32 128 bf16,kivi,default,default:kr & heldout $m 32768 10 128 bf16,default & ;;
+  esac
+  case $1 in fresh)  # one length after another: side by side, the three outgrew the H100's 80 GB (1.5B, 2026-12-06)
+    ( for c in ${CONTEXTS:-2048 8192 32768}; do
+        case $c in
+          2048) heldout $m 2048 128 64 bf16,kivi,identity,hadamard,oscar,default:noxh,default ;;
+          8192) heldout $m 8192 32 128 bf16,kivi,default:noxh,default ;;
+          *) heldout $m "$c" 10 128 bf16,kivi,default:noxh,default ;;
+        esac
+      done ) & ;;
   esac
   case $1 in exact)
     for c in ${CONTEXTS:-8192 32768}; do

@@ -70,10 +70,14 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
         return cache_dir() / "artifacts" / f"{model_name}-{parse_method(method).name}-{tokens}{seq}{check}"
 
     if check_len:
-        found, cached = cached_artifacts_for(model, tok, model_name, methods, tokens, progress, seq_len,
-                                             position_range=position_range, retrieval_heads=False)
-        calibrated = [m for m in found if parse_method(m).clip_search]  # the check measures the clipped methods
+        wanted = list(dict.fromkeys(methods))
+        calibrated = [m for m in wanted if parse_method(m).clip_search]  # the check measures the clipped methods
         todo = [m for m in calibrated if not (path(m, True) / "oscar.json").exists()]
+        # a checked artifact is complete: its unchecked parent is needed only to check it (so a machine that got the
+        # checked artifacts from elsewhere, like the GPU's, need not carry the parents)
+        parents = [m for m in wanted if m not in calibrated or m in todo]
+        found, cached = cached_artifacts_for(model, tok, model_name, parents, tokens, progress, seq_len,
+                                             position_range=position_range, retrieval_heads=False)
         stream = tok(load_text(calibration_text_name()), return_tensors="pt").input_ids[0] if todo else None
         start = tokens + seq_len * _calibration_rows(seq_len)  # past every calibration token (statistics, held out)
         if todo and stream.numel() < start + check_len * check_seqs:
@@ -88,8 +92,9 @@ def cached_artifacts_for(model, tok, model_name: str, methods: list[str], tokens
             else:
                 found[m] = load_artifacts(path(m, True))
                 found[m].validate(model)
+                cached.add(m)
             found[m] = _with_retrieval_heads(model, found[m], path(m, True), progress)
-        return found, cached
+        return {m: found[m] for m in wanted}, cached
 
     found, cached = {}, set()
     wanted = list(dict.fromkeys(methods))  # unique, in order

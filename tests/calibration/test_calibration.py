@@ -642,6 +642,14 @@ def test_cached_artifacts_with_a_long_context_check(tmp_path, monkeypatch):
     assert names == ["tiny-oscar+kmean+vauto+scale-4096-s64-p256", "tiny-oscar+kmean+vauto+scale-4096-s64-p256-c96x2-sw2_8-kc32r"]
     again, cached = demo.cached_artifacts_for(model, tok, "tiny", ["default"], 4096, **kw)
     assert cached == {"default"} and again["default"].calibration["check_relative_error"] == art.calibration["check_relative_error"]
+    # the checked artifact alone (the GPU machine's, carried from here) loads without its unchecked parent, which is
+    # neither needed nor recalibrated
+    import shutil
+
+    shutil.rmtree(tmp_path / "artifacts" / names[0])
+    alone, cached = demo.cached_artifacts_for(model, tok, "tiny", ["default"], 4096, **kw)
+    assert cached == {"default"} and alone["default"].calibration["check_tokens"] == 192
+    assert sorted(p.name for p in (tmp_path / "artifacts").iterdir()) == names[1:]
     with pytest.raises(ValueError, match="too few for a check"):
         demo.cached_artifacts_for(model, tok, "tiny", ["default"], 4096, **dict(kw, check_len=4000))
 
