@@ -85,10 +85,10 @@ exact() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
      --methods bf16,default:noxh,default:xh --retrieval-lengths "$2" --retrieval-samples ${RSAMPLES:-6} --out "$W" \
      --name "eval_$1_${CARD}_$(($2 / 1024))k_exact" > "$W/$1_$2_exact.log" 2>&1
 }
-heldout() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: methods
+heldout() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: methods, $6: name (heldout)
   $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" --methods "$5" \
      --retrieval-lengths "$2" --retrieval-samples ${RSAMPLES:-2} --out "$W" \
-     --name "eval_$1_${CARD}_$(($2 / 1024))k_heldout" > "$W/$1_$2_heldout.log" 2>&1
+     --name "eval_$1_${CARD}_$(($2 / 1024))k_${6:-heldout}" > "$W/$1_$2_${6:-heldout}.log" 2>&1
 }
 for m in $MODELS; do
   case $1 in heldout)
@@ -98,9 +98,9 @@ for m in $MODELS; do
   case $1 in fresh)  # one length after another: side by side, the three outgrew the H100's 80 GB (1.5B, 2026-12-06)
     ( for c in ${CONTEXTS:-2048 8192 32768}; do
         case $c in
-          2048) heldout $m 2048 128 64 bf16,kivi,identity,hadamard,oscar,default:noxh,default ;;
-          8192) heldout $m 8192 32 128 bf16,kivi,default:noxh,default ;;
-          *) heldout $m "$c" 10 128 bf16,kivi,default:noxh,default ;;
+          2048) heldout $m 2048 128 64 bf16,kivi,identity,hadamard,oscar,default:noxh,default fresh ;;
+          8192) heldout $m 8192 32 128 bf16,kivi,default:noxh,default fresh ;;
+          *) heldout $m "$c" 10 128 bf16,kivi,default:noxh,default fresh ;;
         esac
       done ) & ;;
   esac
