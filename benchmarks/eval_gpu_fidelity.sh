@@ -21,10 +21,12 @@
 #   serves it, 32K (8 x 128). CONTEXTS picks lengths.
 # heldout: a model none of the method's choices were made on (Qwen2.5-Coder-0.5B): every baseline at 2K (128 x 64),
 #   the default and its page range option at 8K (32 x 128), the default at 32K (10 x 128), retrieval at each length.
-# fresh: a model measured on the GPU for the first time (Qwen2.5-Coder-1.5B, 2026-12-06): every baseline, every head
-#   INT2 (`default:noxh`) and the default at 2K (128 x 64); BF16, KIVI-2, every head INT2 and the default at 8K
-#   (32 x 128) and 32K (10 x 128), one length after another; retrieval at RSAMPLES x 6 prompts a length (RSAMPLES
-#   defaults to 2; on the 1.5B a prompt of 8K took ~8 s a method on the H100).
+# fresh: a model measured on the GPU for the first time, as Qwen2.5-Coder-1.5B was on 2026-12-06 (its
+#   `eval_*_h100_*k_fresh.json`), one length after another (side by side, three lengths outgrew the H100's 80 GB):
+#   2K (64 x 64) with BF16, every head INT2 (`default:noxh`), the default, `oscar`, Hadamard and KIVI-2; 8K (32 x 128)
+#   with BF16, KIVI-2, every head INT2 and the default, and retrieval at RSAMPLES x 6 prompts (default 4; ~8 s a
+#   prompt a method on the 1.5B, so it needs its own call: that run was stopped in KIVI-2's prompts); 32K (8 x 128)
+#   with BF16, every head INT2 and the default. CONTEXTS picks lengths.
 # Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU)
 # staged with `eval_gpu.sh stage` (see that script). The evals stop after LIMIT seconds (default 540, under the call's
 # 600) and what they measured is packed into OUT/results.tgz: a call brings back at most 8 files.
@@ -85,22 +87,27 @@ exact() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each
      --methods bf16,default:noxh,default:xh --retrieval-lengths "$2" --retrieval-samples ${RSAMPLES:-6} --out "$W" \
      --name "eval_$1_${CARD}_$(($2 / 1024))k_exact" > "$W/$1_$2_exact.log" 2>&1
 }
-heldout() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: methods, $6: name (heldout)
+heldout() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: methods
   $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" --methods "$5" \
-     --retrieval-lengths "$2" --retrieval-samples ${RSAMPLES:-2} --out "$W" \
-     --name "eval_$1_${CARD}_$(($2 / 1024))k_${6:-heldout}" > "$W/$1_$2_${6:-heldout}.log" 2>&1
+     --retrieval-lengths "$2" --retrieval-samples 2 --out "$W" \
+     --name "eval_$1_${CARD}_$(($2 / 1024))k_heldout" > "$W/$1_$2_heldout.log" 2>&1
+}
+fresh() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: methods, $6: retrieval lengths
+  $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" --methods "$5" \
+     --retrieval-lengths "$6" --retrieval-samples ${RSAMPLES:-4} --out "$W" \
+     --name "eval_$1_${CARD}_$(($2 / 1024))k_fresh" > "$W/$1_$2_fresh.log" 2>&1
 }
 for m in $MODELS; do
   case $1 in heldout)
     heldout $m 2048 128 64 bf16,kivi,identity,hadamard,oscar,default,default:kr &
     heldout $m 8192 32 128 bf16,kivi,default,default:kr & heldout $m 32768 10 128 bf16,default & ;;
   esac
-  case $1 in fresh)  # one length after another: side by side, the three outgrew the H100's 80 GB (1.5B, 2026-12-06)
+  case $1 in fresh)  # one length after another
     ( for c in ${CONTEXTS:-2048 8192 32768}; do
         case $c in
-          2048) heldout $m 2048 128 64 bf16,kivi,identity,hadamard,oscar,default:noxh,default fresh ;;
-          8192) heldout $m 8192 32 128 bf16,kivi,default:noxh,default fresh ;;
-          *) heldout $m "$c" 10 128 bf16,kivi,default:noxh,default fresh ;;
+          2048) fresh $m 2048 64 64 bf16,default:noxh,default,oscar,hadamard,kivi "" ;;
+          8192) fresh $m 8192 32 128 bf16,kivi,default:noxh,default 8192 ;;
+          *) fresh $m "$c" 8 128 bf16,default:noxh,default "" ;;
         esac
       done ) & ;;
   esac

@@ -56,6 +56,8 @@ def pack(models: list[str], out: Path, cap_mib: float) -> list[Path]:
     for m in models:
         files += gzip_pieces(gguf_path(m), work, piece)
         arts = sorted(p for p in (cache / "artifacts").glob(f"{m}-*") if (p / "oscar.json").exists())
+        # an artifact checked at long context ("<parent>-c<len>x...") is what the eval loads; its parent stays here
+        arts = [p for p in arts if not any(q.name.startswith(f"{p.name}-c") for q in arts)]
         if arts:
             files.append(tar_gz(work / f"artifacts-{m}.tgz", {p.name: p for p in arts}))
         else:

@@ -99,7 +99,9 @@ def induction_inputs(model: torch.nn.Module) -> tuple[int, int | None, int]:
     bos = getattr(cfg, "bos_token_id", None)
     bos = bos[0] if isinstance(bos, (list, tuple)) else bos
     bos = bos if isinstance(bos, int) and 0 <= bos < vocab else None
-    positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    from .tracer import model_context_length
+
+    positions = model_context_length(model) or getattr(cfg, "n_positions", None)  # GPT-2 names it n_positions
     span = min(SPAN, (int(positions) - 1) // 2) if positions else SPAN
     return vocab, bos, span
 
