@@ -18,7 +18,7 @@
 #   (needs artifacts calibrated since 2026-12-06: they carry the feedback factors). CONTEXTS="8192" picks lengths.
 # exact: retrieval heads in BF16 (`default:xh`, the backend's exact_heads="auto") against every head INT2
 #   (`default:noxh`), retrieval at 36 prompts a length (answer NLL) and perplexity at 8K (32 x 128) and, where the model
-#   serves it, 32K (8 x 128). CONTEXTS picks lengths.
+#   serves it, 32K (8 x 128; N32 sequences). CONTEXTS picks lengths; 2048: 256 x 64 (Qwen 128 x 64, as feedback).
 # heldout: a model none of the method's choices were made on (Qwen2.5-Coder-0.5B): every baseline at 2K (128 x 64),
 #   the default and its page range option at 8K (32 x 128), the default at 32K (10 x 128), retrieval at each length.
 # fresh: a model measured on the GPU for the first time, as Qwen2.5-Coder-1.5B was on 2026-12-06 (its
@@ -27,6 +27,10 @@
 #   with BF16, KIVI-2, every head INT2 and the default, and retrieval at RSAMPLES x 6 prompts (default 4; ~8 s a
 #   prompt a method on the 1.5B, so it needs its own call: that run was stopped in KIVI-2's prompts); 32K (8 x 128)
 #   with BF16, every head INT2 and the default. CONTEXTS picks lengths.
+# retrieval: retrieval only, BF16, every head INT2 and the default at each of CONTEXTS (default 8192), RSAMPLES x 6
+#   prompts (default 2), named *_retrieval<prompts>: Qwen2.5-Coder-1.5B's 8K (RSAMPLES=8) and 32K (2) runs of
+#   2026-12-06 (night), side by side (~1.4 s a prompt a method at 8K, ~8 s at 32K). Its 24-prompt 8K file
+#   (`*_8k_retrieval.json`) has no BF16: it pairs with the BF16 prompts of its `fresh` 8K run (same seed and draws).
 # Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU)
 # staged with `eval_gpu.sh stage` (see that script). The evals stop after LIMIT seconds (default 540, under the call's
 # 600) and what they measured is packed into OUT/results.tgz: a call brings back at most 8 files.
@@ -97,7 +101,13 @@ fresh() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: 
      --retrieval-lengths "$6" --retrieval-samples ${RSAMPLES:-4} --out "$W" \
      --name "eval_$1_${CARD}_$(($2 / 1024))k_fresh" > "$W/$1_$2_fresh.log" 2>&1
 }
+retrieval() {  # $1: model, $2: context
+  $E "$(gguf_of $1)" --model "$1" --ppl-contexts "" --methods bf16,default:noxh,default --retrieval-lengths "$2" \
+     --retrieval-samples ${RSAMPLES:-2} --out "$W" --name "eval_$1_${CARD}_$(($2 / 1024))k_retrieval$((${RSAMPLES:-2} * 6))" \
+     > "$W/$1_$2_retrieval.log" 2>&1
+}
 for m in $MODELS; do
+  case $1 in retrieval) for c in ${CONTEXTS:-8192}; do retrieval $m "$c" & done ;; esac
   case $1 in heldout)
     heldout $m 2048 128 64 bf16,kivi,identity,hadamard,oscar,default,default:kr &
     heldout $m 8192 32 128 bf16,kivi,default,default:kr & heldout $m 32768 10 128 bf16,default & ;;
@@ -114,9 +124,11 @@ for m in $MODELS; do
   case $1 in exact)
     for c in ${CONTEXTS:-8192 32768}; do
       case $m:$c in
+        qwen*:2048) exact $m 2048 128 64 & ;;
+        *:2048) exact $m 2048 256 64 & ;;
         *:8192) exact $m 8192 32 128 & ;;
         smollm2*:32768) ;;  # not served
-        *:32768) exact $m 32768 8 128 & ;;
+        *:32768) exact $m 32768 ${N32:-8} 128 & ;;
       esac
     done ;;
   esac

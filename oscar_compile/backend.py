@@ -144,15 +144,17 @@ class BackendOptions:
     # {layer: KV heads} kept in BF16 beside the layer's INT2 heads: retrieval heads, which copy one far token with a
     # sharp attention that averages no rounding error away (calibration/retrieval_heads.py). "auto": the artifact's
     # retrieval_heads (the heads with the highest induction score, at most 1/16 of them), none for an artifact
-    # without induction scores; None or {}: every head INT2. A head in BF16 costs ~13 bits an element more of its
-    # pages; ``bits_per_element`` in the eval counts it. Layers in BF16 or with sliding windows are left alone.
+    # without induction scores; a float share in (0, 1]: the artifact's induction scores re-ranked at that share
+    # (1/8 gives Gemma 3 its second global head: answer NLL at 2K +0.20 -> -0.08 nats, README); None or {}: every
+    # head INT2. A head in BF16 costs ~13 bits an element more of its pages; ``bits_per_element`` in the eval counts
+    # it. Layers in BF16 or with sliding windows are left alone.
     # Measured 2026-12-06 (README, Accuracy): the answer NLL against BF16 from +1.32 to +0.05 nats on SmolLM2 at 2K,
     # +0.16 to +0.06 on the held-out Qwen2.5-Coder-0.5B; +0.7-0.8 bits an element at 8K. The default since
     # 2026-12-06 (late), once its speed was known: on the H100 (Llama-3-8B shape, 8 layers, 1/16 of the heads) time
     # to first token +8% (16 x 4K) and +15% (64 x 8K), decode -18% and -16% against every head INT2, storage +25%
     # (the 4x slower first token measured before was every new cache re-recording the CUDA graphs, fixed by
     # hf._CounterPool); not yet measured at full depth or 1 x 128K. None: every head INT2, the most compression.
-    exact_heads: dict | str | None = "auto"
+    exact_heads: dict | str | float | None = "auto"
 
 
 DEFAULT_PAGE_SIZE = {"channel": 32, "token": 16}  # tokens a page, by key format (BackendOptions.page_size=None)
@@ -215,11 +217,22 @@ def resolve_key_feedback(feedback, key_format: str, artifacts=None, who: str = "
 
 def resolve_exact_heads(heads, artifacts=None, who: str = "oscar_backend") -> dict:
     """``{layer: sorted KV heads}`` from the ``exact_heads`` option: a dict (checked), "auto" (the artifact's
-    retrieval heads) or None (none)."""
+    retrieval heads), a share in (0, 1] (the artifact's induction scores re-ranked at that share of the KV heads)
+    or None (none)."""
     if heads is None:
         return {}
-    if heads == "auto":
+    if isinstance(heads, str) and heads == "auto":
         return dict(artifacts.retrieval_heads) if artifacts is not None else {}
+    if isinstance(heads, float):
+        from .calibration.retrieval_heads import retrieval_heads_at
+
+        if artifacts is None:
+            raise ValueError(f"{who}: exact_heads={heads!r} re-chooses an artifact's retrieval heads at that share: "
+                             "pass the artifact")
+        try:
+            return retrieval_heads_at(artifacts, heads)
+        except ValueError as e:
+            raise ValueError(f"{who}: exact_heads={heads!r}: {e}") from None
     ok = lambda hs: (isinstance(hs, (tuple, list)) and len(hs) > 0  # noqa: E731
                      and all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hs))
     checked = _layer_map(heads, ok, "exact_heads maps layer indices to non-empty lists of KV head indices (or is "

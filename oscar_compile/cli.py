@@ -256,7 +256,8 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     does so where the artifact carries the factors; the baselines identity, hadamard and oscar round plainly unless
     tagged so); "method:nofb": plain rounding (key_feedback=False); "method:xh": the artifact's retrieval heads kept
     in BF16 (the backend's exact_heads="auto", the default since 2026-12-06; the baselines keep every head INT2
-    unless tagged so); "method:noxh": every head INT2 (exact_heads=None);
+    unless tagged so); "method:xh0.125": the retrieval heads re-chosen from the artifact's induction scores at that
+    share of the KV heads (exact_heads=0.125); "method:noxh": every head INT2 (exact_heads=None);
     "method:d" ("method:d0.5"): INT2 scores debiased by 1 (0.5) times half their rounding noise's variance (the
     backend's score_debias). The key-format, range and debias tags come back as each method's backend options."""
     from .backend import DEFAULT_PAGE_SIZE
@@ -268,7 +269,8 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
              "pages of that many tokens (the default: c32), ':t' per token, ':ka' per token in the layers the "
              "long-context check chose, ':kr' per channel over the check's narrowed page ranges (the default), ':kf' "
              "over full page ranges, ':fb' rounds per-channel keys with error feedback (the default's where the artifact "
-             "has its factors), ':nofb' plainly, and ':d' "
+             "has its factors), ':nofb' plainly, ':xh' keeps the retrieval heads in BF16 (the default; ':xh<share>' "
+             "re-chooses them at that share of the KV heads, e.g. xh0.125), ':noxh' none, and ':d' "
              "(':d<c>', c in (0, 4]) debiases INT2 scores (an oscar method only, e.g. default:L0:p2048:g32.7:c32:d)")
     for n in names:
         head, *tags = n.split(":")
@@ -284,10 +286,12 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         range_tags = [t for t in tags if t in ("kr", "kf")]
         # per-channel keys rounded with error feedback (the default's, where the artifact has factors) or not
         feedback_tags = [t for t in tags if t in ("fb", "nofb")]
-        exact_tags = [t for t in tags if t in ("xh", "noxh")]  # retrieval heads in BF16 (exact_heads) or none
+        # retrieval heads in BF16 (exact_heads), at the artifact's share or another ("xh0.125"), or none
+        exact_tags = [t for t in tags if t in ("xh", "noxh") or _share_value(t) is not None]
         read_options[n] = {}
         if exact_tags:
-            read_options[n]["exact_heads"] = "auto" if exact_tags[0] == "xh" else None
+            t = exact_tags[0]
+            read_options[n]["exact_heads"] = "auto" if t == "xh" else None if t == "noxh" else _share_value(t)
         elif base[n] in ("identity", "hadamard", "oscar"):
             read_options[n]["exact_heads"] = None  # the baselines' recipes: every head INT2
         if feedback_tags:
@@ -339,6 +343,17 @@ def _debias_value(tag: str) -> float | None:
     except ValueError:
         return None
     return c if 0.0 < c <= 4.0 else None
+
+
+def _share_value(tag: str) -> float | None:
+    """``xh0.125`` -> 0.125; None where the tag is not a retrieval-head share in (0, 1]."""
+    if not tag.startswith("xh") or len(tag) == 2:
+        return None
+    try:
+        c = float(tag[2:])
+    except ValueError:
+        return None
+    return c if 0.0 < c <= 1.0 else None
 
 
 def _positions_arg(value: str):

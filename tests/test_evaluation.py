@@ -299,6 +299,11 @@ def test_method_specs_read_sequence_layers_and_positions_per_method():
     exact = _method_specs(["default:xh", "default:noxh", "oscar:xh"], 512, "auto")[-1]
     assert exact == {"default:xh": {"exact_heads": "auto"}, "default:noxh": {"exact_heads": None},
                      "oscar:xh": {"exact_heads": "auto", "key_feedback": False}}
+    # ':xh<share>': the retrieval heads re-chosen at that share of the KV heads; a share outside (0, 1] is refused
+    assert _method_specs(["default:xh0.125"], 512, "auto")[-1] == {"default:xh0.125": {"exact_heads": 0.125}}
+    for bad in ("default:xh2", "default:xh0", "default:xh:noxh"):
+        with pytest.raises(SystemExit, match="xh"):
+            _method_specs([bad], 512, "auto")
     assert options["default:c64:d"] == {"key_format": "channel", "page_size": 64, "score_debias": 1.0}
     assert options["default:d0.5"] == {"score_debias": 0.5}
     # ':g<size>.<layers>': layers with their own group size, the later tag winning for a layer named twice

@@ -70,6 +70,8 @@ def select_retrieval_heads(scores: list[list[float]], skip_layers=(), floor: flo
                            share: float = RETRIEVAL_HEAD_SHARE) -> list[list[int]]:
     """``[[layer, head], ...]``: heads scoring at least ``floor``, the best first, at most ``share`` of all KV heads
     (at least one where any qualifies); ``skip_layers`` (sliding-window or BF16 layers: not INT2) are never chosen."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ValueError(f"oscar: the retrieval heads' share of the KV heads is in (0, 1], got {share!r}")
     total = sum(len(s) for s in scores)
     cap = max(1, int(total * share))
     skip = set(skip_layers)
@@ -82,6 +84,22 @@ def selection_rule(calibration: dict) -> dict:
     """The ``floor`` and ``share`` an artifact's retrieval heads were chosen with (the defaults where unrecorded)."""
     rule = calibration.get("retrieval_head_rule", {})
     return {"floor": rule.get("floor", INDUCTION_FLOOR), "share": rule.get("share", RETRIEVAL_HEAD_SHARE)}
+
+
+def retrieval_heads_at(artifacts, share: float) -> dict[int, tuple[int, ...]]:
+    """``{layer: KV heads}``: the artifact's retrieval heads re-chosen from its recorded induction scores at another
+    ``share`` of the KV heads (same floor; no forward pass). A model whose few INT2 heads are nearly all its memory
+    (Gemma 3: 3 global heads of 18) has one head at 1/16; 1/8 keeps two."""
+    if not artifacts.has_retrieval_heads:
+        raise ValueError("oscar: this artifact has no induction scores (calibrated before 2026-12-06, or with "
+                         "retrieval_heads=False): recalibrate to choose retrieval heads by share")
+    skip = set(artifacts.sliding_windows) | set(artifacts.bf16_layers)
+    chosen = select_retrieval_heads(artifacts.calibration["induction_scores"], skip,
+                                    selection_rule(artifacts.calibration)["floor"], share)
+    out: dict[int, tuple[int, ...]] = {}
+    for layer, head in chosen:
+        out[layer] = out.get(layer, ()) + (head,)
+    return out
 
 
 def induction_inputs(model: torch.nn.Module) -> tuple[int, int | None, int]:

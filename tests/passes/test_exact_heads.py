@@ -111,6 +111,24 @@ def test_retrieval_heads_are_the_best_induction_scores_within_the_share():
     assert batch.shape == (2, 17) and (batch[:, 0] == 1).all() and torch.equal(batch[:, 1:9], batch[:, 9:])
 
 
+def test_exact_heads_share_rechooses_from_the_artifacts_induction_scores():
+    # Gemma 3's shape: three INT2 layers of one KV head among sliding ones; 1/16 keeps one head, a share keeps more
+    scores = [[0.0], [0.36], [0.0], [0.15], [0.01], [0.096]]
+    art = SimpleNamespace(has_retrieval_heads=True, sliding_windows={0: 512, 2: 512, 4: 512}, bf16_layers=(),
+                          calibration={"induction_scores": scores, "retrieval_head_rule": {"floor": 0.1}})
+    assert resolve_exact_heads(1 / 16, art) == {1: (0,)}
+    assert resolve_exact_heads(1 / 3, art) == {1: (0,), 3: (0,)}  # layer 5 is under the floor, sliding ones skipped
+    art.bf16_layers = (1,)
+    assert resolve_exact_heads(1 / 3, art) == {3: (0,)}  # a BF16 layer is no candidate
+    for share in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"share .* \(0, 1\]"):
+            resolve_exact_heads(share, art)
+    with pytest.raises(ValueError, match="no induction scores"):
+        resolve_exact_heads(0.125, SimpleNamespace(has_retrieval_heads=False))
+    with pytest.raises(ValueError, match="pass the artifact"):
+        oscar_backend(exact_heads=0.125)
+
+
 def test_tensor_parallel_rank_keeps_its_share_of_the_exact_heads():
     # a rank holding KV heads 2-3 of a layer (its k_proj shard's offset; tensor_parallel.first_kv_heads) keeps global
     # head 3 exact as its local head 1, and a rank without any of a layer's exact heads splits nothing
