@@ -236,7 +236,7 @@ def resolve_exact_heads(heads, artifacts=None, who: str = "oscar_backend") -> di
     ok = lambda hs: (isinstance(hs, (tuple, list)) and len(hs) > 0  # noqa: E731
                      and all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hs))
     checked = _layer_map(heads, ok, "exact_heads maps layer indices to non-empty lists of KV head indices (or is "
-                         "'auto')", who)
+                         "'auto', or a float share of the KV heads in (0, 1])", who)
     return {layer: tuple(sorted(set(hs))) for layer, hs in checked.items()}
 
 
