@@ -21,11 +21,7 @@ from oscar_compile.assets import load_model
 from oscar_compile.calibration.retrieval_heads import (INDUCTION_FLOOR, RETRIEVAL_HEAD_SHARE, induction_inputs,
                                                        induction_scores, select_retrieval_heads)
 from oscar_compile.hf import sliding_windows
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    ra, rb = (torch.tensor(x).argsort().argsort().double() for x in (a, b))
-    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
+from probe_retrieval_heads import spearman  # benchmarks/, the script's own folder
 
 
 def main() -> None:
@@ -49,7 +45,7 @@ def main() -> None:
                       "seconds": round(time.perf_counter() - t0, 1)}
         print(f"span {span:>6}: 1/16 {heads}  1/8 {wide}  ({runs[span]['seconds']} s)")
     spans = list(runs)
-    flat = {s: [x for row in runs[s]["scores"] for x in row] for s in spans}
+    flat = {s: torch.tensor([x for row in runs[s]["scores"] for x in row]) for s in spans}
     for s in spans[1:]:
         same = {tuple(h) for h in runs[s]["heads_1_16"]} & {tuple(h) for h in runs[spans[0]]["heads_1_16"]}
         print(f"span {s} against {spans[0]}: Spearman {spearman(flat[s], flat[spans[0]]):.2f} over all heads, "

@@ -51,6 +51,14 @@ def model_fingerprint(model: torch.nn.Module, num_layers: int, num_q_heads: int,
             "head_dim": head_dim, "attention_weights_sha256": attention_weights_hash(model), "sliding_windows": windows}
 
 
+def heads_by_layer(pairs) -> dict[int, tuple[int, ...]]:
+    """``[[layer, head], ...]`` (as an artifact records its retrieval heads) -> ``{layer: (head, ...)}``."""
+    out: dict[int, tuple[int, ...]] = {}
+    for layer, head in pairs:
+        out[int(layer)] = out.get(int(layer), ()) + (int(head),)
+    return out
+
+
 @dataclass
 class Artifacts:
     """Per-layer transforms and clip ratios for one model, with where they came from."""
@@ -76,10 +84,7 @@ class Artifacts:
     def retrieval_heads(self) -> dict[int, tuple[int, ...]]:
         """``{layer: KV heads}`` the induction score marked as retrieval heads (:mod:`.retrieval_heads`; what the
         backend's ``exact_heads="auto"`` keeps in BF16); empty where not measured."""
-        out: dict[int, tuple[int, ...]] = {}
-        for layer, head in self.calibration.get("retrieval_heads", ()):
-            out[int(layer)] = out.get(int(layer), ()) + (int(head),)
-        return out
+        return heads_by_layer(self.calibration.get("retrieval_heads", ()))
 
     @property
     def has_retrieval_heads(self) -> bool:

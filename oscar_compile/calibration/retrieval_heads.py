@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from .artifacts import heads_by_layer
 from .clipping import attention_probs
 
 # A head is a retrieval head where this much of its attention lands on the induction target (random tokens:
@@ -93,13 +94,13 @@ def retrieval_heads_at(artifacts, share: float) -> dict[int, tuple[int, ...]]:
     if not artifacts.has_retrieval_heads:
         raise ValueError("oscar: this artifact has no induction scores (calibrated before 2026-12-06, or with "
                          "retrieval_heads=False): recalibrate to choose retrieval heads by share")
-    skip = set(artifacts.sliding_windows) | set(artifacts.bf16_layers)
-    chosen = select_retrieval_heads(artifacts.calibration["induction_scores"], skip,
-                                    selection_rule(artifacts.calibration)["floor"], share)
-    out: dict[int, tuple[int, ...]] = {}
-    for layer, head in chosen:
-        out[layer] = out.get(layer, ()) + (head,)
-    return out
+    return heads_by_layer(select_retrieval_heads(artifacts.calibration["induction_scores"], _not_candidates(artifacts),
+                                                 selection_rule(artifacts.calibration)["floor"], share))
+
+
+def _not_candidates(artifacts) -> set[int]:
+    """Layers whose heads are never retrieval heads: sliding-window layers and the artifact's BF16 layers."""
+    return set(artifacts.sliding_windows) | set(artifacts.bf16_layers)
 
 
 def induction_inputs(model: torch.nn.Module) -> tuple[int, int | None, int]:
@@ -133,8 +134,7 @@ def with_retrieval_heads(model: torch.nn.Module, artifacts, *, forward: Callable
     scores = induction_scores(model, vocab, bos, forward=forward, span=span)
     if len(scores) != len(artifacts.layers):
         raise RuntimeError(f"oscar: induction scores for {len(scores)} layers, the artifact has {len(artifacts.layers)}")
-    skip = set(artifacts.sliding_windows) | set(artifacts.bf16_layers)
-    heads = select_retrieval_heads(scores, skip, floor, share)
+    heads = select_retrieval_heads(scores, _not_candidates(artifacts), floor, share)
     cal = dict(artifacts.calibration, induction_scores=scores, retrieval_heads=heads,
                retrieval_head_rule={"floor": floor, "share": share, "span": span, "rows": ROWS})
     return dataclasses.replace(artifacts, calibration=cal)
