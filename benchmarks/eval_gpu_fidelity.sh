@@ -31,6 +31,11 @@
 #   prompts (default 2), named *_retrieval<prompts>: Qwen2.5-Coder-1.5B's 8K (RSAMPLES=8) and 32K (2) runs of
 #   2026-12-06 (night), side by side (~1.4 s a prompt a method at 8K, ~8 s at 32K). Its 24-prompt 8K file
 #   (`*_8k_retrieval.json`) has no BF16: it pairs with the BF16 prompts of its `fresh` 8K run (same seed and draws).
+# share: a larger share of retrieval heads in BF16 (`default:xh<SHARE>`, default 1/8) against the default and BF16. Gemma 3:
+#   32K (20 x 128, 12 prompts) then 8K (32 x 128, 24 prompts), one after the other (CONTEXTS; 2048: 256 x 64, 48
+#   prompts); other models (the 1.5B): retrieval at
+#   32K, the share alone on the seed-0 prompts (pairs with its *_32k_retrieval12.json), then BF16, the share and the
+#   default on 12 other prompts per seed in RSEEDS (default 1; `--retrieval-seed`); NOSEED0=1 skips the first.
 # Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU)
 # staged with `eval_gpu.sh stage` (see that script). The evals stop after LIMIT seconds (default 540, under the call's
 # 600) and what they measured is packed into OUT/results.tgz: a call brings back at most 8 files.
@@ -101,13 +106,29 @@ fresh() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: 
      --retrieval-lengths "$6" --retrieval-samples ${RSAMPLES:-4} --out "$W" \
      --name "eval_$1_${CARD}_$(($2 / 1024))k_fresh" > "$W/$1_$2_fresh.log" 2>&1
 }
-retrieval() {  # $1: model, $2: context
-  $E "$(gguf_of $1)" --model "$1" --ppl-contexts "" --methods bf16,default:noxh,default --retrieval-lengths "$2" \
-     --retrieval-samples ${RSAMPLES:-2} --out "$W" --name "eval_$1_${CARD}_$(($2 / 1024))k_retrieval$((${RSAMPLES:-2} * 6))" \
-     > "$W/$1_$2_retrieval.log" 2>&1
+retrieval() {  # $1: model, $2: context, $3: methods (default: BF16, every head INT2, the default), $4: seed (0)
+  local seed=${4:-0} tag=${5:-}
+  $E "$(gguf_of $1)" --model "$1" --ppl-contexts "" --methods "${3:-bf16,default:noxh,default}" --retrieval-lengths "$2" \
+     --retrieval-samples ${RSAMPLES:-2} --retrieval-seed "$seed" --out "$W" \
+     --name "eval_$1_${CARD}_$(($2 / 1024))k_retrieval$((${RSAMPLES:-2} * 6))$([ "$seed" = 0 ] || echo "_seed$seed")$tag" \
+     > "$W/$1_$2_retrieval_$seed$tag.log" 2>&1
+}
+share() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: retrieval samples
+  $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" \
+     --methods bf16,default,default:xh${SHARE:-0.125} --retrieval-lengths "$2" --retrieval-samples "$5" --out "$W" \
+     --name "eval_$1_${CARD}_$(($2 / 1024))k_share" > "$W/$1_$2_share.log" 2>&1
 }
 for m in $MODELS; do
   case $1 in retrieval) for c in ${CONTEXTS:-8192}; do retrieval $m "$c" & done ;; esac
+  case $1 in share)
+    case $m in
+      gemma*) ( for c in ${CONTEXTS:-32768 8192}; do  # one after the other: both side by side outgrow the H100
+                  case $c in 32768) share $m 32768 20 128 2 ;; 2048) share $m 2048 256 64 8 ;; *) share $m "$c" 32 128 4 ;; esac
+                done ) & ;;
+      *) ( [ -z "$NOSEED0" ] && retrieval $m 32768 default:xh${SHARE:-0.125} 0 _share  # pairs with the seed 0 file
+           for seed in ${RSEEDS:-1}; do retrieval $m 32768 bf16,default:xh${SHARE:-0.125},default $seed; done ) & ;;
+    esac ;;
+  esac
   case $1 in heldout)
     heldout $m 2048 128 64 bf16,kivi,identity,hadamard,oscar,default,default:kr &
     heldout $m 8192 32 128 bf16,kivi,default,default:kr & heldout $m 32768 10 128 bf16,default & ;;

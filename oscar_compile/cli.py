@@ -143,7 +143,8 @@ def _eval(args) -> int:
                      retrieval_lengths=ints(args.retrieval_lengths), retrieval_samples=args.retrieval_samples,
                      retrieval_depths=tuple(float(x) for x in args.retrieval_depths.split(",") if x),
                      retrieval_tasks=tuple(x for x in args.retrieval_tasks.split(",") if x),
-                     num_sinks=args.sinks, window=args.window, prefill_chunk=args.prefill_chunk)
+                     num_sinks=args.sinks, window=args.window, prefill_chunk=args.prefill_chunk,
+                     seed=args.retrieval_seed)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / f"{args.name or args.model}.partial.json"
@@ -451,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--retrieval-samples", type=int, default=1)
     ev.add_argument("--retrieval-depths", default="0.1,0.5,0.9")
     ev.add_argument("--retrieval-tasks", default="passkey,needle")
+    ev.add_argument("--retrieval-seed", type=int, default=0,
+                    help="seed of the prompts' draws: another seed asks other prompts, so runs add up to more prompts")
     ev.add_argument("--group-size", type=int, default=None,
                     help="channels per (scale, min) pair of the INT2 methods (default: head_dim, one pair a row)")
     ev.add_argument("--sinks", type=int, default=64)

@@ -238,6 +238,26 @@ def test_run_eval_checkpoints_after_every_method():
     assert "partial" not in report and [r["method"] for r in report["perplexity"]] == ["bf16", "hadamard"]
 
 
+def test_retrieval_seed_draws_other_prompts_and_repeats_its_own():
+    # runs with other seeds add up to more prompts (`--retrieval-seed`); the same seed asks the same ones, so a
+    # later run of one method pairs with an earlier run's BF16
+    from oscar_compile.evaluation import run_eval
+
+    model, tok = tiny_model("llama"), _CharTokenizer()
+    text = "".join(random.Random(1).choice("abcdefgh ") for _ in range(2000))
+
+    def answers(seed):
+        cfg = EvalConfig(ppl_contexts=(), retrieval_lengths=(300,), retrieval_depths=(0.1, 0.5),
+                         retrieval_tasks=("passkey",), retrieval_samples=2, num_sinks=2, window=4, seed=seed)
+        report = run_eval(model, tok, [Method("bf16", "bf16")], text, text, cfg, progress=False, log=lambda *a: None)
+        assert report["config"]["seed"] == seed
+        return [r["answer"] for r in report["retrieval"]]
+
+    first = answers(0)
+    assert len(first) == 4 and answers(0) == first
+    assert not set(answers(1)) & set(first)  # 5-digit passkeys: a shared one would be a 1-in-10^4 coincidence
+
+
 def test_paired_delta_interval_covers_a_known_shift_and_uses_blocks():
     gen = torch.Generator().manual_seed(0)
     base = torch.rand(8, 64, generator=gen, dtype=torch.float64) * 3
