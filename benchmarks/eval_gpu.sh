@@ -13,6 +13,8 @@
 # `python -m oscar_compile eval --device cuda`. Run one `run` (or `py NAME -c pass`) per model first, then evals of
 # different models may run side by side (the same model's may not: they would convert its GGUF at once).
 # `python3 benchmarks/pack_for_gpu.py MODEL...` makes the folders to stage (build/stage/NN) and prints their calls.
+# Make the first staging call alone, the rest after it starts: on 2026-12-06 no machine started, and each of the 29
+# calls queued behind the first was refused at 15 s of device time (691 s of the session's 1,800 gone, nothing staged).
 set -e
 export OSCAR_CACHE=${OSCAR_CACHE:-/tmp/oc} PYTHONUNBUFFERED=1
 mkdir -p /tmp/stage "$OSCAR_CACHE/gguf" "$OSCAR_CACHE/text"
@@ -27,7 +29,7 @@ case $1 in
          fi
          mv "$OSCAR_CACHE/gguf/$name.partial" "$OSCAR_CACHE/gguf/$name"
        fi
-       # texts.tgz holds texts; tokenizers.tgz, tokenizers saved by a transformers whose GGUF conversion is right
+       # texts.tgz holds texts; tokenizers*.tgz, tokenizers saved by a transformers whose GGUF conversion is right
        mkdir -p "$OSCAR_CACHE/tokenizers" "$OSCAR_CACHE/artifacts"
        for t in /tmp/stage/*.tgz; do
          [ -e "$t" ] || continue

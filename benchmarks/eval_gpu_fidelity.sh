@@ -36,9 +36,9 @@
 #   prompts); other models (the 1.5B): retrieval at
 #   32K, the share alone on the seed-0 prompts (pairs with its *_32k_retrieval12.json), then BF16, the share and the
 #   default on 12 other prompts per seed in RSEEDS (default 1; `--retrieval-seed`); NOSEED0=1 skips the first.
-# Before it: the pieces of every model's GGUF, texts.tgz, tokenizers.tgz and artifacts*.tgz (calibrated on the CPU)
-# staged with `eval_gpu.sh stage` (see that script). The evals stop after LIMIT seconds (default 540, under the call's
-# 600) and what they measured is packed into OUT/results.tgz: a call brings back at most 8 files.
+# Before it: the pieces of every model's GGUF, texts.tgz, tokenizers*.tgz and artifacts*.tgz (calibrated on the CPU)
+# staged with `eval_gpu.sh stage` (see that script). The evals stop LIMIT seconds after the script started (default
+# 540, under the call's 600) and what they measured is packed into OUT/results.tgz: a call brings back at most 8 files.
 OUT=$2 LIMIT=${LIMIT:-540}
 W=$OUT/work
 mkdir -p "$W"
@@ -181,7 +181,9 @@ for m in $MODELS; do
   esac
 done
 jobs=$(jobs -p | grep -v "^$watcher$")
-( sleep "$LIMIT"; while true; do pkill -f "oscar_compile eval"; sleep 1; done ) > /dev/null 2>&1 &  # a killed run
+# LIMIT counts from the script's start: converting two models' GGUFs took ~2 minutes on 2026-12-06, and a limit
+# counted after it ran the call past 600 s (the runs' results came back; the packed logs did not)
+( sleep $((LIMIT > SECONDS + 30 ? LIMIT - SECONDS : 30)); while true; do pkill -f "oscar_compile eval"; sleep 1; done ) > /dev/null 2>&1 &  # a killed run
 # keeps its .partial.json; the loop also stops the runs queued behind it
 stopper=$!
 wait $jobs

@@ -3,7 +3,7 @@
 A device call carries at most 64 MiB with the working tree (~9 MiB), so everything goes in folders of at most
 ``--cap`` MiB under ``build/stage``: each model's GGUF as a gzip stream in pieces (``NAME.gz.partNN``, what
 ``benchmarks/eval_gpu.sh`` reassembles), ``texts.tgz`` (the evaluation, calibration and haystack texts),
-``tokenizers.tgz`` (tokenizers converted by this machine's transformers, which the GPU's older one gets wrong for
+``tokenizers-<models>.tgz`` (tokenizers converted by this machine's transformers, which the GPU's older one gets wrong for
 Gemma 3) and ``artifacts-<model>.tgz`` (the artifacts calibrated and checked here, so the GPU evaluates the same
 rotations). Then, on a warm machine, one call per folder (a few seconds each):
 
@@ -68,7 +68,9 @@ def pack(models: list[str], out: Path, cap_mib: float) -> list[Path]:
         d = model_dir(m)  # converted here: its tokenizer is the one the package's fingerprints were taken with
         for f in d.glob("tokenizer*"):
             toks[f"{m}/{f.name}"] = f
-    files.append(tar_gz(work / "tokenizers.tgz", toks))
+    # named by its models: two packs staged on one machine (build/stage and build/stage15 on 2026-12-06) would
+    # otherwise overwrite each other's tokenizers in /tmp/stage (texts.tgz holds the same texts in every pack)
+    files.append(tar_gz(work / f"tokenizers-{'+'.join(models)}.tgz", toks))
     # first-fit decreasing into folders of at most cap_mib
     bins: list[list[Path]] = []
     sizes: list[int] = []
