@@ -29,7 +29,7 @@ from oscar_compile.backend import resolve_exact_heads
 from oscar_compile.passes import rewrite
 
 FP8_MAX = 448.0  # e4m3's largest finite value
-_state = {"fp8": False}
+_state = {"fp8": False, "whole_layers": set()}  # set per method as its session starts
 
 
 def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:

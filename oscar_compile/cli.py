@@ -280,7 +280,7 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         position_tags = [t for t in tags if t.startswith("p") and t[1:].isdigit()]
         group_tags = [t for t in tags if t.startswith("g")]
         channel_tags = [t for t in tags if t.startswith("c") and t[1:].isdigit() and int(t[1:]) >= 2]
-        debias_tags = [t for t in tags if t.startswith("d") and _debias_value(t) is not None]
+        debias_tags = [t for t in tags if _tag_value(t, "d", 4.0, bare=1.0) is not None]
         channel_tags += [t for t in tags if t == "t"]  # a key format either way: at most one of c<tokens> and t
         auto_tags = [t for t in tags if t == "ka"]  # per-token keys in the check's token_key_layers
         # per-channel keys over the check's narrowed page ranges (the default) or over full ranges
@@ -288,11 +288,11 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         # per-channel keys rounded with error feedback (the default's, where the artifact has factors) or not
         feedback_tags = [t for t in tags if t in ("fb", "nofb")]
         # retrieval heads in BF16 (exact_heads), at the artifact's share or another ("xh0.125"), or none
-        exact_tags = [t for t in tags if t in ("xh", "noxh") or _share_value(t) is not None]
+        exact_tags = [t for t in tags if t in ("xh", "noxh") or _tag_value(t, "xh", 1.0) is not None]
         read_options[n] = {}
         if exact_tags:
             t = exact_tags[0]
-            read_options[n]["exact_heads"] = "auto" if t == "xh" else None if t == "noxh" else _share_value(t)
+            read_options[n]["exact_heads"] = "auto" if t == "xh" else None if t == "noxh" else _tag_value(t, "xh", 1.0)
         elif base[n] in ("identity", "hadamard", "oscar"):
             read_options[n]["exact_heads"] = None  # the baselines' recipes: every head INT2
         if feedback_tags:
@@ -308,7 +308,7 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         elif len(channel_tags) == 1:  # more than one: refused below
             read_options[n].update(key_format="channel", page_size=int(channel_tags[0][1:]))
         if debias_tags:
-            read_options[n]["score_debias"] = _debias_value(debias_tags[0])
+            read_options[n]["score_debias"] = _tag_value(debias_tags[0], "d", 4.0, bare=1.0)
         if (len(layer_tags) + len(position_tags) + len(group_tags) + len(channel_tags) + len(debias_tags)
                 + len(auto_tags) + len(range_tags) + len(feedback_tags) + len(exact_tags) != len(tags)
                 or len(position_tags) > 1 or len(channel_tags) > 1 or len(debias_tags) > 1 or len(auto_tags) > 1
@@ -337,24 +337,18 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     return base, seq_of, positions_of, bf16_layers, group_sizes, read_options
 
 
-def _debias_value(tag: str) -> float | None:
-    """``d`` -> 1.0, ``d0.5`` -> 0.5; None where the tag is not a debias tag in (0, 4]."""
+def _tag_value(tag: str, prefix: str, upper: float, bare: float | None = None) -> float | None:
+    """The number a method tag carries after ``prefix``, in (0, ``upper``]: ``d0.5`` -> 0.5 (debias), ``xh0.125`` ->
+    0.125 (retrieval-head share); ``bare`` for the prefix alone (``d`` -> 1.0); None where the tag is not one."""
+    if not tag.startswith(prefix):
+        return None
+    if len(tag) == len(prefix):
+        return bare
     try:
-        c = float(tag[1:]) if len(tag) > 1 else 1.0
+        c = float(tag[len(prefix):])
     except ValueError:
         return None
-    return c if 0.0 < c <= 4.0 else None
-
-
-def _share_value(tag: str) -> float | None:
-    """``xh0.125`` -> 0.125; None where the tag is not a retrieval-head share in (0, 1]."""
-    if not tag.startswith("xh") or len(tag) == 2:
-        return None
-    try:
-        c = float(tag[2:])
-    except ValueError:
-        return None
-    return c if 0.0 < c <= 1.0 else None
+    return c if 0.0 < c <= upper else None
 
 
 def _positions_arg(value: str):
