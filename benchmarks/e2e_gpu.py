@@ -151,6 +151,8 @@ CONFIGS = {  # key: (label, options, compile mode: None = the --mode argument)
     "off": ("oscar, quantize off", {"quantize": False}, None),
     # retrieval heads in BF16: KV head 0 of every other layer (1/16 of the KV heads at 8 a layer, the calibrated share)
     "int2-xh": ("oscar INT2, KV head 0 of every other layer in BF16 (exact_heads; 1/16 of Llama-3-8B's heads)", {"exact_heads": "every-other-layer"}, None),
+    "int2-xh8": ("oscar INT2, KV head 0 of every other layer in FP8 (exact_heads, exact_format='fp8')",
+                 {"exact_heads": "every-other-layer", "exact_format": "fp8"}, None),
     "eager": ("bf16 StaticCache eager", "eager", None),
     "inductor": ("bf16 StaticCache + inductor (default mode)", None, "default"),
     "inductor-ro": ("bf16 StaticCache + inductor (reduce-overhead)", None, "reduce-overhead"),

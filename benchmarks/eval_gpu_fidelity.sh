@@ -36,6 +36,8 @@
 #   prompts); other models (the 1.5B): retrieval at
 #   32K, the share alone on the seed-0 prompts (pairs with its *_32k_retrieval12.json), then BF16, the share and the
 #   default on 12 other prompts per seed in RSEEDS (default 1; `--retrieval-seed`); NOSEED0=1 skips the first.
+# fp8: the retrieval heads at SHARE in FP8 (`default:xh<SHARE>:x8`, exact_format="fp8") beside BF16 ones, the default
+#   and BF16, at CONTEXTS (default 32768: 20 x 128, 12 prompts; 2048: 256 x 64, 48 prompts; others 32 x 128, 24).
 # Before it: the pieces of every model's GGUF, texts.tgz, tokenizers*.tgz and artifacts*.tgz (calibrated on the CPU)
 # staged with `eval_gpu.sh stage` (see that script). The evals stop LIMIT seconds after the script started (default
 # 540, under the call's 600) and what they measured is packed into OUT/results.tgz: a call brings back at most 8 files.
@@ -118,6 +120,11 @@ share() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: 
      --methods bf16,default,default:xh${SHARE:-0.125} --retrieval-lengths "$2" --retrieval-samples "$5" --out "$W" \
      --name "eval_$1_${CARD}_$(($2 / 1024))k_share" > "$W/$1_$2_share.log" 2>&1
 }
+fp8() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: retrieval samples
+  $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" \
+     --methods bf16,default,default:xh${SHARE:-0.125},default:xh${SHARE:-0.125}:x8 --retrieval-lengths "$2" \
+     --retrieval-samples "$5" --out "$W" --name "eval_$1_${CARD}_$(($2 / 1024))k_fp8heads" > "$W/$1_$2_fp8.log" 2>&1
+}
 for m in $MODELS; do
   case $1 in retrieval) for c in ${CONTEXTS:-8192}; do retrieval $m "$c" & done ;; esac
   case $1 in share)
@@ -128,6 +135,11 @@ for m in $MODELS; do
       *) ( [ -z "$NOSEED0" ] && retrieval $m 32768 default:xh${SHARE:-0.125} 0 _share  # pairs with the seed 0 file
            for seed in ${RSEEDS:-1}; do retrieval $m 32768 bf16,default:xh${SHARE:-0.125},default $seed; done ) & ;;
     esac ;;
+  esac
+  case $1 in fp8)  # the retrieval heads at SHARE in FP8 (:x8) beside BF16 ones, the default and BF16
+    ( for c in ${CONTEXTS:-32768}; do
+        case $c in 32768) fp8 $m 32768 20 128 2 ;; 2048) fp8 $m 2048 256 64 8 ;; *) fp8 $m "$c" 32 128 4 ;; esac
+      done ) & ;;
   esac
   case $1 in heldout)
     heldout $m 2048 128 64 bf16,kivi,identity,hadamard,oscar,default,default:kr &

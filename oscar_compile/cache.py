@@ -8,6 +8,8 @@ Layout per layer (DESIGN.md section 3)::
                       (k_meta [num_pages, 1, kv_heads, 2 * d] with key_format="channel")
     k_sink,  v_sink   [batch, num_sinks, kv_heads, d]             cache dtype (BF16)
     k_ring,  v_ring   [batch, window, kv_heads, d]                cache dtype, slot = position % window
+                      (uint8 [batch, window, kv_heads, d + 4] with ring_format="fp8": FP8 codes and a scale a row,
+                      kernels/fp8_ring.py)
 
 shared by all layers::
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import ops
+from .kernels.fp8_ring import RING_FORMATS, fp8_row_bytes
 from .kernels.checks import quantized_len
 from .kernels.store import CacheCapacityError
 from .quant import bits_per_element, channel_bits_per_element, hadamard_matrix
@@ -219,16 +222,19 @@ class MemoryReport:
 
 
 def row_bytes(heads: int, head_dim: int, bf16_tokens: int, page_tokens: int, group_size: int, dtype: torch.dtype,
-              meta_dtype: torch.dtype, channel_page: int = 0) -> int:
+              meta_dtype: torch.dtype, channel_page: int = 0, fp8_tokens: int = 0) -> int:
     """Bytes of one row's keys (or values) in one layer: ``bf16_tokens`` in the cache dtype (sinks and ring)
     plus ``page_tokens`` in INT2 pages (codes and per-group scale and minimum; ``channel_page`` > 0: one
-    scale and minimum per channel for every ``channel_page`` tokens instead, the per-channel key format)."""
+    scale and minimum per channel for every ``channel_page`` tokens instead, the per-channel key format) plus
+    ``fp8_tokens`` in FP8 rows with a scale each (an FP8 ring, :mod:`.kernels.fp8_ring`)."""
     token = heads * head_dim * (torch.finfo(dtype).bits // 8)
+    fp8 = fp8_tokens * heads * fp8_row_bytes(head_dim)
     meta_bytes = torch.finfo(meta_dtype).bits // 8
     if channel_page:
-        return bf16_tokens * token + page_tokens * heads * head_dim // 4 + page_tokens // channel_page * heads * 2 * head_dim * meta_bytes
+        return (bf16_tokens * token + fp8 + page_tokens * heads * head_dim // 4
+                + page_tokens // channel_page * heads * 2 * head_dim * meta_bytes)
     page_token = heads * (head_dim // 4 + 2 * (head_dim // group_size) * meta_bytes)
-    return bf16_tokens * token + page_tokens * page_token
+    return bf16_tokens * token + fp8 + page_tokens * page_token
 
 
 class PagedInt2KVCache:
@@ -264,6 +270,10 @@ class PagedInt2KVCache:
             rounding error (``oscar::attention``'s ``debias``), which otherwise inflates the INT2 keys' share of
             the attention. 0 (default) reads the scores as they are.
         dtype: dtype of sinks and ring; meta_dtype: dtype of scales and minimums.
+        ring_format: ``"bf16"`` (the ring in ``dtype``) or ``"fp8"``: the ring's rows in FP8 e4m3 with an fp32 scale
+            each (``8 + 32 / head_dim`` bits an element, :mod:`.kernels.fp8_ring`); sinks stay in ``dtype``. For a
+            cache with per-token keys and pages (the backend gives it to retrieval heads, which keep every token in
+            the ring of a cache that quantizes nothing: ``quantize=False``).
     """
 
     def __init__(
@@ -288,6 +298,7 @@ class PagedInt2KVCache:
         dtype: torch.dtype = torch.bfloat16,
         meta_dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
+        ring_format: str = "bf16",
     ):
         if head_dim % 4:
             raise ValueError(f"oscar: head_dim must be divisible by 4 for INT2 packing, got {head_dim}")
@@ -315,6 +326,12 @@ class PagedInt2KVCache:
             num_sinks, window = 0, min(int(sliding_window), max_seq_len)
         elif not quantize:
             window = max(window, max_seq_len)  # every token stays in the BF16 ring: nothing is evicted
+        if ring_format not in RING_FORMATS:
+            raise ValueError(f"oscar: ring_format must be one of {RING_FORMATS}, got {ring_format!r}")
+        if ring_format == "fp8" and (sliding_window is not None or self.key_format == "channel"):
+            raise ValueError("oscar: ring_format='fp8' needs per-token keys and no sliding window (the ring of a cache "
+                             "that quantizes nothing, or per-token INT2 pages)")
+        self.ring_format = ring_format
         if not 0.0 <= float(score_debias) <= 4.0:
             raise ValueError(f"oscar: score_debias must be in [0, 4] (1 removes the expected INT2 score noise), got {score_debias}")
         self.score_debias = float(score_debias)
@@ -343,6 +360,11 @@ class PagedInt2KVCache:
         def bf16(tokens):
             return torch.zeros(max_batch_size, tokens, h, d, dtype=dtype, device=dev)
 
+        def ring(tokens):
+            if ring_format == "fp8":  # FP8 codes and an fp32 scale a row (kernels/fp8_ring.py)
+                return torch.zeros(max_batch_size, tokens, h, fp8_row_bytes(d), dtype=torch.uint8, device=dev)
+            return bf16(tokens)
+
         def key_meta():
             if self.key_format == "channel":  # one (scales, minimums) row per page and head
                 return torch.zeros(self.num_pages, 1, h, 2 * d, dtype=meta_dtype, device=dev)
@@ -350,7 +372,7 @@ class PagedInt2KVCache:
 
         self.layers = [
             LayerKV(pool(d // 4, torch.uint8), key_meta(), pool(d // 4, torch.uint8), pool(2 * d // g, meta_dtype),
-                    bf16(num_sinks), bf16(num_sinks), bf16(self.ring_len), bf16(self.ring_len))
+                    bf16(num_sinks), bf16(num_sinks), ring(self.ring_len), ring(self.ring_len))
             for _ in range(num_layers)
         ]
         self.transforms = [LayerTransforms.identity(h, d, device=dev) for _ in range(num_layers)]
@@ -430,9 +452,10 @@ class PagedInt2KVCache:
         return len(self._free_pages)
 
     # ---------------------------------------------------------------- transforms
-    def keep_heads_exact(self, int2_heads, exact_heads) -> "PagedInt2KVCache":
+    def keep_heads_exact(self, int2_heads, exact_heads, ring_format: str = "bf16") -> "PagedInt2KVCache":
         """Make this cache hold the ``int2_heads`` of a layer (its ``num_kv_heads``, in that order) and a BF16
-        companion the ``exact_heads`` (retrieval heads): same rows, length and sinks, every token in its ring. The
+        companion the ``exact_heads`` (retrieval heads): same rows, length and sinks, every token in its ring (in
+        ``ring_format``: "fp8" rounds the ring's rows to FP8 with a scale each). The
         backend's rewrite stores and reads the two apart and puts the heads back in order; rows move, reorder and
         are released together. Returns the companion."""
         int2_heads, exact_heads = tuple(int2_heads), tuple(exact_heads)
@@ -444,7 +467,7 @@ class PagedInt2KVCache:
         companion = PagedInt2KVCache(
             1, len(exact_heads), self.head_dim, max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
             page_size=self.page_size, num_sinks=self.num_sinks, window=self.window, identity_block_table=True,
-            quantize=False, dtype=self.dtype, meta_dtype=self.meta_dtype, device=self.device)
+            quantize=False, dtype=self.dtype, meta_dtype=self.meta_dtype, device=self.device, ring_format=ring_format)
         self.exact = ExactHeads(companion, int2_heads, exact_heads)
         return companion
 
@@ -562,9 +585,9 @@ class PagedInt2KVCache:
         either the same window or windows that hold every position (``quantize=False``).
         """
         s, ps = self.num_sinks, self.page_size
-        same = (s, ps, self.num_kv_heads, self.head_dim, self.group_size, self.dtype, self.meta_dtype, self.key_format) == (
-            dst.num_sinks, dst.page_size, dst.num_kv_heads, dst.head_dim, dst.group_size, dst.dtype, dst.meta_dtype,
-            dst.key_format)
+        same = (s, ps, self.num_kv_heads, self.head_dim, self.group_size, self.dtype, self.meta_dtype, self.key_format,
+                self.ring_format) == (dst.num_sinks, dst.page_size, dst.num_kv_heads, dst.head_dim, dst.group_size,
+                                      dst.dtype, dst.meta_dtype, dst.key_format, dst.ring_format)
         windows_ok = self.window == dst.window or min(self.ring_len, dst.ring_len) >= length
         same_exact = (self.exact is None) == (dst.exact is None) and (
             self.exact is None or self.exact.heads == dst.exact.heads)
@@ -601,10 +624,12 @@ class PagedInt2KVCache:
         """Memory one row of ``context_len`` tokens takes: its sink and ring buffers plus its pages."""
         h, d, nl = self.num_kv_heads, self.head_dim, self.num_layers
         # K and V: the row's full sink and ring buffers plus its pages (the block table is negligible).
-        bf16_tokens, page_tokens = self.num_sinks + self.ring_len, self.pages_for(context_len) * self.page_size
-        values = row_bytes(h, d, bf16_tokens, page_tokens, self.group_size, self.dtype, self.meta_dtype)
+        fp8_tokens = self.ring_len if self.ring_format == "fp8" else 0
+        bf16_tokens, page_tokens = self.num_sinks + self.ring_len - fp8_tokens, self.pages_for(context_len) * self.page_size
+        values = row_bytes(h, d, bf16_tokens, page_tokens, self.group_size, self.dtype, self.meta_dtype,
+                           fp8_tokens=fp8_tokens)
         keys = row_bytes(h, d, bf16_tokens, page_tokens, self.group_size, self.dtype, self.meta_dtype,
-                         channel_page=self.page_size if self.key_format == "channel" else 0)
+                         channel_page=self.page_size if self.key_format == "channel" else 0, fp8_tokens=fp8_tokens)
         per_layer = keys + values
         elements = 2 * context_len * h * d
         return MemoryReport(
@@ -628,6 +653,7 @@ class PagedInt2KVCache:
             f"batch={self.max_batch_size}, max_seq_len={self.max_seq_len}, pages={self.num_pages}x{self.page_size}, "
             f"sinks={self.num_sinks}, window={self.window}, group={self.group_size}, quantize={self.quantize}, "
             + (f"keys per channel over pages, ring {self.ring_len}, " if self.key_format == "channel" else "")
+            + ("FP8 ring, " if self.ring_format == "fp8" else "")
             + (f"exact heads {list(self.exact.exact_heads)}, " if self.exact else "") +
             f"{self.nbytes / 2**20:.1f} MiB on {self.device})"
         )

@@ -134,6 +134,8 @@ def _eval(args) -> int:
             exact = resolve_exact_heads(read_options[n].get("exact_heads", BackendOptions.exact_heads), artifacts[n])
             if exact:
                 label += " exact heads " + ",".join(f"{a}.{h}" for a, hs in sorted(exact.items()) for h in hs)
+                if read_options[n].get("exact_format") == "fp8":
+                    label += " in fp8"
             if read_options[n].get("score_debias"):
                 label += f" debias {read_options[n]['score_debias']:g}"
             options.update(read_options[n])
@@ -258,7 +260,8 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     tagged so); "method:nofb": plain rounding (key_feedback=False); "method:xh": the artifact's retrieval heads kept
     in BF16 (the backend's exact_heads="auto", the default since 2026-12-06; the baselines keep every head INT2
     unless tagged so); "method:xh0.125": the retrieval heads re-chosen from the artifact's induction scores at that
-    share of the KV heads (exact_heads=0.125); "method:noxh": every head INT2 (exact_heads=None);
+    share of the KV heads (exact_heads=0.125); "method:noxh": every head INT2 (exact_heads=None); "method:x8": the
+    retrieval heads' tokens in FP8 with a scale each instead of BF16 (exact_format="fp8");
     "method:d" ("method:d0.5"): INT2 scores debiased by 1 (0.5) times half their rounding noise's variance (the
     backend's score_debias). The key-format, range and debias tags come back as each method's backend options."""
     from .backend import DEFAULT_PAGE_SIZE
@@ -271,7 +274,7 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
              "long-context check chose, ':kr' per channel over the check's narrowed page ranges (the default), ':kf' "
              "over full page ranges, ':fb' rounds per-channel keys with error feedback (the default's where the artifact "
              "has its factors), ':nofb' plainly, ':xh' keeps the retrieval heads in BF16 (the default; ':xh<share>' "
-             "re-chooses them at that share of the KV heads, e.g. xh0.125), ':noxh' none, and ':d' "
+             "re-chooses them at that share of the KV heads, e.g. xh0.125), ':noxh' none, ':x8' stores them in FP8, and ':d' "
              "(':d<c>', c in (0, 4]) debiases INT2 scores (an oscar method only, e.g. default:L0:p2048:g32.7:c32:d)")
     for n in names:
         head, *tags = n.split(":")
@@ -289,7 +292,10 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         feedback_tags = [t for t in tags if t in ("fb", "nofb")]
         # retrieval heads in BF16 (exact_heads), at the artifact's share or another ("xh0.125"), or none
         exact_tags = [t for t in tags if t in ("xh", "noxh") or _tag_value(t, "xh", 1.0) is not None]
+        fp8_tags = [t for t in tags if t == "x8"]  # the retrieval heads' tokens in FP8 (exact_format)
         read_options[n] = {}
+        if fp8_tags:
+            read_options[n]["exact_format"] = "fp8"
         if exact_tags:
             t = exact_tags[0]
             read_options[n]["exact_heads"] = "auto" if t == "xh" else None if t == "noxh" else _tag_value(t, "xh", 1.0)
@@ -310,9 +316,9 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         if debias_tags:
             read_options[n]["score_debias"] = _tag_value(debias_tags[0], "d", 4.0, bare=1.0)
         if (len(layer_tags) + len(position_tags) + len(group_tags) + len(channel_tags) + len(debias_tags)
-                + len(auto_tags) + len(range_tags) + len(feedback_tags) + len(exact_tags) != len(tags)
+                + len(auto_tags) + len(range_tags) + len(feedback_tags) + len(exact_tags) + len(fp8_tags) != len(tags)
                 or len(position_tags) > 1 or len(channel_tags) > 1 or len(debias_tags) > 1 or len(auto_tags) > 1
-                or len(range_tags) > 1 or len(feedback_tags) > 1 or len(exact_tags) > 1
+                or len(range_tags) > 1 or len(feedback_tags) > 1 or len(exact_tags) > 1 or len(fp8_tags) > 1
                 or ((auto_tags or range_tags or feedback_tags == ["fb"]) and channel_tags == ["t"])
                 or (tags and base[n] in ("bf16", "kivi"))):
             raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, {usage}")

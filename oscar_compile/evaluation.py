@@ -79,10 +79,15 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
     own = {layer for layer in own if layer not in slides and layer not in kept} if method.kind != "bf16" else set()
     extra = sum(int2_bits(groups.get(layer, method.options.get("group_size")), formats.get(layer, key_format)) - full
                 for layer in own)
-    # retrieval heads kept in BF16 beside a layer's INT2 heads (the backend's exact_heads): their share in 16 bits
+    # retrieval heads kept in BF16 beside a layer's INT2 heads (the backend's exact_heads): their share in 16 bits,
+    # or with exact_format="fp8" their sinks in 16 and the rest in FP8 with a 32-bit scale a row (kernels/fp8_ring.py)
     exact = resolve_exact_heads(method.options.get("exact_heads", BackendOptions.exact_heads), method.artifacts,
                                 "oscar eval") if method.kind != "bf16" else {}
-    extra += sum(min(len(hs), heads) / heads * (fp_bits - full) for layer, hs in exact.items()
+    exact_bits = fp_bits
+    if method.options.get("exact_format", BackendOptions.exact_format) == "fp8":
+        sinks = min(num_sinks, context)
+        exact_bits = (sinks * fp_bits + (context - sinks) * (8 + 32 / d)) / context
+    extra += sum(min(len(hs), heads) / heads * (exact_bits - full) for layer, hs in exact.items()
                  if layer not in slides and layer not in kept and layer < layers)
     return (full * (layers - len(slides) - dense) + extra + fp_bits * dense + sliding_bits) / layers
 

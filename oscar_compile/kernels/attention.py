@@ -35,6 +35,7 @@ import torch
 from ..quant import dequantize_codes
 from . import fragment_order
 from .checks import CacheGeometry, check_attention
+from .fp8_ring import read_ring
 from .sliding import positions_with_history
 
 # Queries per chunk in the reference: bounds the [heads, chunk, L] score buffer for long prefills.
@@ -61,7 +62,7 @@ def gather_history(
     out[:, :n_sink] = sink[:nb, :n_sink].float()
     if max_len > s and geo.drops_evicted:  # no pages: only the ring (the caller hides dropped positions)
         if w > 0:
-            out[:, s:] = ring[:nb][:, j[s:] % w].float()
+            out[:, s:] = read_ring(ring[:nb][:, j[s:] % w])
     elif max_len > s:
         # every page a row owns up to max_len, read whole (a decode step reads the whole history: per-slot
         # indexing was most of the CPU's decode time); slots past the pages' span are the ring's below
@@ -80,7 +81,7 @@ def gather_history(
         ring_from = s + geo.quantized_len(shortest)
         if w > 0 and ring_from < max_len:
             jr = j[ring_from:]
-            ring_rows = ring[:nb][:, jr % w].float()  # ring slot = absolute position % ring length
+            ring_rows = read_ring(ring[:nb][:, jr % w])  # ring slot = absolute position % ring length
             in_page = jr[None, :] < s + geo.quantized_len(lengths[:, None])
             out[:, ring_from:] = torch.where(in_page[..., None, None], out[:, ring_from:], ring_rows)
             if steps:

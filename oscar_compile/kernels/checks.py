@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .fp8_ring import fp8_row_bytes, is_fp8_ring
 from .sliding import history_len
 
 
@@ -31,6 +32,9 @@ class CacheGeometry:
     # have left the window, so the ring holds ``window + page_size - 1`` tokens (``window`` here is the ring's
     # length; ``evict_window`` the window the cache was made with).
     key_channel: bool = False
+    # The ring's rows in FP8 with a scale each (:mod:`.fp8_ring`) instead of the cache dtype: the storage of a
+    # layer's retrieval heads (the backend's exact_format="fp8").
+    ring_fp8: bool = False
 
     @property
     def group_size(self) -> int:
@@ -106,9 +110,18 @@ def check_cache(k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring
     groups = v_meta.shape[3] // 2
     if groups == 0 or d % groups:
         _fail(f"metadata holds {groups} groups, which does not divide head_dim {d}")
+    ring_fp8 = is_fp8_ring(k_ring, d)
+    if ring_fp8 != is_fp8_ring(v_ring, d):
+        _fail(f"k_ring and v_ring must both be FP8 rings or neither, got {k_ring.dtype} {tuple(k_ring.shape)} and "
+              f"{v_ring.dtype} {tuple(v_ring.shape)}", TypeError)
     for name, t in (("k_sink", k_sink), ("v_sink", v_sink), ("k_ring", k_ring), ("v_ring", v_ring)):
+        if ring_fp8 and name.endswith("ring"):
+            if t.dim() != 4 or t.shape[2] != h:
+                _fail(f"{name} (FP8 rows) must be [batch, tokens, {h}, {fp8_row_bytes(d)}], got {tuple(t.shape)}")
+            continue
         if not t.is_floating_point():
-            _fail(f"{name} must be floating point, got {t.dtype}", TypeError)
+            _fail(f"{name} must be floating point (or uint8 FP8 rows of {fp8_row_bytes(d)} bytes, the FP8 ring), "
+                  f"got {t.dtype} {tuple(t.shape)}", TypeError)
         if t.dim() != 4 or t.shape[2] != h or t.shape[3] != d:
             _fail(f"{name} must be [batch, tokens, {h}, {d}], got {tuple(t.shape)}")
     if k_sink.shape != v_sink.shape or k_ring.shape != v_ring.shape or k_sink.shape[0] != k_ring.shape[0]:
@@ -125,6 +138,9 @@ def check_cache(k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring
         _fail("a cache without pages (block table of width 0) needs a ring: it would keep nothing but its sinks")
     if block_table.shape[0] != k_sink.shape[0]:
         _fail(f"block_table has {block_table.shape[0]} rows but the sink/ring buffers have {k_sink.shape[0]}")
+    if ring_fp8 and (block_table.shape[1] == 0 or key_channel):
+        _fail("an FP8 ring needs INT2 pages with per-token keys (the storage of retrieval heads: a cache that "
+              "quantizes nothing); a sliding-window or per-channel-key cache keeps its ring in the cache dtype")
     return CacheGeometry(
         num_pages=num_pages,
         page_size=page_size,
@@ -136,6 +152,7 @@ def check_cache(k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring
         batch_capacity=k_sink.shape[0],
         max_pages=block_table.shape[1],
         key_channel=key_channel and block_table.shape[1] > 0,  # without pages nothing is quantized
+        ring_fp8=ring_fp8,
     )
 
 

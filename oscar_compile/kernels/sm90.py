@@ -28,6 +28,7 @@ ATTENTION_POINTERS = {
     # merge / query kernels
     "bo_ptr": "*fp32", "muv_ptr": "*fp32", "out_ptr": "*bf16", "q_ptr": "*bf16", "bq_ptr": "*fp32", "mrow_ptr": "*u8",
 }
+FP8_RING_POINTERS = {"kr_ptr": "*u8", "vr_ptr": "*u8"}  # an FP8 ring: rows of codes and a scale (fp8_ring.py)
 STORE_POINTERS = {
     "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "first_ptr": "*i64", "last_ptr": "*i64",
     "ak_ptr": "*fp32", "muk_ptr": "*fp32", "av_ptr": "*fp32", "muv_ptr": "*fp32", "kout_ptr": "*bf16",
@@ -72,14 +73,15 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, num_warps: int = 4, num_s
 
 def compile_attention(d=128, g=4, block_m=16, block_n=128, region=0, prefill=False, unpack="asm", ablate=0,
                       num_warps=4, num_stages=2, ng=1, mask_kind=0, maxnreg=None, causal=None, frag=True,
-                      mask_bounds=False, kch=False, ps=16, debias=False, kfold=True):
+                      mask_bounds=False, kch=False, ps=16, debias=False, kfold=True, ring_fp8=False):
     from .triton_attention import _attn_kernel
 
     const = dict(H=8, G=g, D=d, NG=ng, PS=ps, HAS_RING=True, KCH=kch, DEBIAS=debias, BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=prefill if causal is None else causal,
                  MASK_KIND=mask_kind, HAS_CHUNK=prefill, DT=tl.float16, KC=min(d, 64), ALIGNED=True, ABLATE=ablate,
                  USE_ASM=unpack == "asm", REGION=region, FRAG=frag and d % 64 == 0, DENSE_CHUNK=prefill,
-                 CDT=tl.bfloat16 if prefill else tl.float16, MASK_BOUNDS=mask_bounds, KFOLD=kfold)
-    return compile_sm90(_attn_kernel, const, ATTENTION_POINTERS, num_warps, num_stages, maxnreg)
+                 CDT=tl.bfloat16 if prefill else tl.float16, MASK_BOUNDS=mask_bounds, KFOLD=kfold, RING_FP8=ring_fp8)
+    pointers = dict(ATTENTION_POINTERS, **(FP8_RING_POINTERS if ring_fp8 else {}))
+    return compile_sm90(_attn_kernel, const, pointers, num_warps, num_stages, maxnreg)
 
 
 def compile_prefill(d=128, g=4, block_m=64, mask_kind=0, causal=True, rows="*bf16", num_warps=4, tiles=0):
@@ -96,12 +98,13 @@ def compile_prefill(d=128, g=4, block_m=64, mask_kind=0, causal=True, rows="*bf1
     return compile_sm90(_prefill_kernel, const, pointers, num_warps)
 
 
-def compile_gather(d=128, ng=1, frag=True, kch=False):
+def compile_gather(d=128, ng=1, frag=True, kch=False, ring_fp8=False):
     from .triton_attention import _gather_prefix_kernel
 
     return compile_sm90(_gather_prefix_kernel, dict(H=8, D=d, NG=ng, PS=16, BLOCK_N=32, HAS_CHUNK=True, ALIGNED=True,
-                                                    FRAG=frag and d % 64 == 0, KCH=kch),
-                        dict(ATTENTION_POINTERS, ko_ptr="*bf16", vo_ptr="*bf16"), 4)
+                                                    FRAG=frag and d % 64 == 0, KCH=kch, RING_FP8=ring_fp8),
+                        dict(ATTENTION_POINTERS, ko_ptr="*bf16", vo_ptr="*bf16",
+                             **(FP8_RING_POINTERS if ring_fp8 else {})), 4)
 
 
 def compile_merge(d=128, g=4, decode=False):
@@ -120,12 +123,13 @@ def compile_query(d=128, g=4, block_m=16):
                         ATTENTION_POINTERS, num_stages=3)
 
 
-def compile_store(d=128, ng=1, clip=True, frag=True, chunk_only=False):
+def compile_store(d=128, ng=1, clip=True, frag=True, chunk_only=False, ring_fp8=False):
     from .triton_store import _store_kernel
 
     return compile_sm90(_store_kernel, dict(PS=16, BLOCK_T=16, D=d, NG=ng, K_CLIP=clip, V_CLIP=clip, HAS_RING=True,
-                                            FRAG=frag and d % 64 == 0, CHUNK_ONLY=chunk_only),
-                        STORE_POINTERS, num_warps=8 if d >= 256 else 4, num_stages=3)
+                                            FRAG=frag and d % 64 == 0, CHUNK_ONLY=chunk_only, RING_FP8=ring_fp8),
+                        dict(STORE_POINTERS, **(FP8_RING_POINTERS if ring_fp8 else {})),
+                        num_warps=8 if d >= 256 else 4, num_stages=3)
 
 
 def compile_store_pages(d=128, ps=32, clip=True, tmap=True, feedback=False):
@@ -180,6 +184,13 @@ def launch_variants(d: int) -> dict:
         f"query d={d}": lambda: compile_query(d=d, block_m=16),
         f"query prefill d={d}": lambda: compile_query(d=d, block_m=64),
         f"store d={d}": lambda: compile_store(d=d, clip=True),
+        # retrieval heads in FP8 (exact_format="fp8"): their ring's rows in FP8 with a scale each
+        f"decode bf16 keys, FP8 ring d={d}": lambda: compile_attention(d=d, block_m=16, block_n=64, region=1,
+                                                                        ring_fp8=True),
+        f"prefill bf16 keys, FP8 ring d={d}": lambda: compile_attention(d=d, block_m=64, block_n=64, region=1,
+                                                                         prefill=True, ring_fp8=True),
+        f"prefill gather, FP8 ring d={d}": lambda: compile_gather(d=d, ring_fp8=True),
+        f"store, FP8 ring d={d}": lambda: compile_store(d=d, clip=True, ring_fp8=True),
         # per-channel keys (key_format="channel", pages of 32): page region, gather, the store's three launches
         f"decode pages, per-channel keys d={d}": lambda: compile_attention(d=d, block_m=16, block_n=bn_pages, region=0,
                                                                             kch=True, ps=32),

@@ -5,7 +5,8 @@ Semantics (DESIGN.md section 3), per sequence row ``b``; ``S`` sinks, ``W`` wind
 * Every token is first transformed, ``k' = (k - mu_k) A_k`` (likewise ``v``), and rounded to the
   cache dtype. All three regions hold transformed values, so one transformed query serves all.
 * Position ``p < S`` goes to the BF16 sink ``sink[b, p]``.
-* Position ``p >= S`` goes to the BF16 ring ``ring[b, p % W]``. When it arrives, the token it
+* Position ``p >= S`` goes to the BF16 ring ``ring[b, p % W]`` (or an FP8 ring, :mod:`.fp8_ring`: the row rounded
+  to FP8 with its own scale). When it arrives, the token it
   evicts (position ``p - W``, if ``>= S``) is quantized into its page: quantized index
   ``j = p - W - S`` lives at ``pages[block_table[b, j // P], j % P]``.
 * A chunk of many tokens (prefill) has the same end state as writing them one at a time: tokens
@@ -47,6 +48,7 @@ import torch
 from ..quant import quantize_int2, quantize_int2_channels
 from . import fragment_order
 from .checks import CacheGeometry, check_store
+from .fp8_ring import read_ring, write_ring
 from .sliding import chunk_with_history, history_len
 
 
@@ -142,14 +144,16 @@ def _store_side(geo, x_t, spans, codes, meta, sink, ring, block_table, clip, kin
         in_page = (p >= s) & (p < s + hi)
         if hi > lo:
             old = torch.arange(s + lo, max(s + lo, min(first, s + hi)), device=p.device)
-            rows = torch.cat([ring[b, old % ring_len].float(), x[in_page].float()]) if ring_len else x[in_page].float()
+            rows = x[in_page].float()
+            if ring_len:
+                rows = torch.cat([read_ring(ring[b, old % ring_len]), rows])
             _write_pages(geo, codes, meta, block_table, b, torch.arange(lo, hi, device=p.device), rows, clip, kind,
                          feedback)
         in_sink = p < s
         in_ring = (p >= s) & ~in_page & (p >= new_len - ring_len)  # a chunk longer than the ring keeps its newest
         sink[b, p[in_sink]] = x[in_sink]
         if ring_len > 0:
-            ring[b, p[in_ring] % ring_len] = x[in_ring]
+            write_ring(ring, (b, p[in_ring] % ring_len), x[in_ring])
 
 
 def store_reference(

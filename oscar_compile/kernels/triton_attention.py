@@ -54,7 +54,7 @@ import triton.language as tl
 from . import fragment_order
 from .checks import channel_pages_supported, check_attention
 from .sliding import positions_with_history
-from .triton_store import whole_pages_len
+from .triton_store import load_fp8_rows, whole_pages_len
 
 log = logging.getLogger("oscar_compile.kernels")
 
@@ -453,7 +453,7 @@ def _attn_kernel(
     HAS_CHUNK: tl.constexpr, DT: tl.constexpr, KC: tl.constexpr, ALIGNED: tl.constexpr, ABLATE: tl.constexpr,
     USE_ASM: tl.constexpr, REGION: tl.constexpr, FRAG: tl.constexpr, DENSE_CHUNK: tl.constexpr = False,
     CDT: tl.constexpr = tl.float16, SKIP_EMPTY: tl.constexpr = True, MASK_BOUNDS: tl.constexpr = False,
-    KCH: tl.constexpr = False, DEBIAS: tl.constexpr = False, KFOLD: tl.constexpr = True,
+    KCH: tl.constexpr = False, DEBIAS: tl.constexpr = False, KFOLD: tl.constexpr = True, RING_FP8: tl.constexpr = False,
 ):
     """One split of one row block: REGION 0 = INT2 pages (splits ``0 .. NSPLIT-1``), 1 = BF16 keys
     (splits ``NSPLIT ..``). Two launches, so each region's code gets registers of its own.
@@ -585,8 +585,12 @@ def _attn_kernel(
                     ring_slot = j * 0
                 row_s = b * ss_b + tl.where(in_sink, j, 0) * ss_t + h * ss_h
                 row_r = b * sr_b + ring_slot * sr_t + h * sr_h
-                kb = tl.where(in_sink, ks_ptr + row_s, kr_ptr + row_r)
-                vb = tl.where(in_sink, vs_ptr + row_s, vr_ptr + row_r)
+                if RING_FP8:  # the ring is read apart (other element type): these pointers take sinks and chunk
+                    kb = ks_ptr + row_s
+                    vb = vs_ptr + row_s
+                else:
+                    kb = tl.where(in_sink, ks_ptr + row_s, kr_ptr + row_r)
+                    vb = tl.where(in_sink, vs_ptr + row_s, vr_ptr + row_r)
                 if HAS_CHUNK:
                     row_c = b * sch_b + tl.where(in_chunk, j - c0, 0) * sch_t + h * sch_h
                     kb = tl.where(in_chunk, kch_ptr + row_c, kb)
@@ -596,8 +600,15 @@ def _attn_kernel(
                     vb = tl.multiple_of(vb, 16)
                 # values are issued with the keys, not after the softmax (no change measured on the H200 at 64 x 4K:
                 # the compiler had already hoisted the load)
-                k = tl.load(kb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
-                v = tl.load(vb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
+                if RING_FP8:  # the ring's rows are FP8 with a scale each (fp8_ring.py): loaded apart, then selected
+                    plain = key_ok & ~in_ring
+                    k = tl.load(kb[:, None] + dcol[None, :], mask=plain[:, None], other=0.0).to(tl.float32)
+                    v = tl.load(vb[:, None] + dcol[None, :], mask=plain[:, None], other=0.0).to(tl.float32)
+                    k = tl.where(in_ring[:, None], load_fp8_rows(kr_ptr + row_r, in_ring, D), k).to(DT)
+                    v = tl.where(in_ring[:, None], load_fp8_rows(vr_ptr + row_r, in_ring, D), v).to(DT)
+                else:
+                    k = tl.load(kb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
+                    v = tl.load(vb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
                 s = tl.where(vis, tl.dot(qq, tl.trans(k)) + bias, float("-inf"))
                 p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
                 acc = tl.dot(p.to(DT), v, acc * alpha[:, None])
@@ -774,7 +785,8 @@ def _gather_prefix_kernel(len_ptr, sl_b, c0_ptr, kc_ptr, km_ptr, vc_ptr, vm_ptr,
                           bt_ptr, sbt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
                           ko_ptr, vo_ptr, so_b, so_t, so_h, S, W, P, skm_p, skm_h, H: tl.constexpr, D: tl.constexpr,
                           NG: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_CHUNK: tl.constexpr,
-                          ALIGNED: tl.constexpr, FRAG: tl.constexpr, KCH: tl.constexpr = False):
+                          ALIGNED: tl.constexpr, FRAG: tl.constexpr, KCH: tl.constexpr = False,
+                          RING_FP8: tl.constexpr = False):
     """The keys and values of row ``b``, KV head ``h`` before its chunk, ``[0, min(c0, L))``, as 16-bit rows
     ``[B, P, H, D]`` in channel order: sinks and ring rows copied, page rows dequantized (``min + code * scale`` in
     fp32, as the page kernels compute them) and rounded once to the scratch's type. ``sm_*``: the values' metadata
@@ -813,9 +825,13 @@ def _gather_prefix_kernel(len_ptr, sl_b, c0_ptr, kc_ptr, km_ptr, vc_ptr, vm_ptr,
             src_s = b * ss_b + tl.where(in_sink, j, 0) * ss_t + h * ss_h
             src_r = b * sr_b + tl.where(in_ring, j % tl.maximum(W, 1), 0) * sr_t + h * sr_h
             ks = tl.load(ks_ptr + src_s[:, None] + dcol[None, :], mask=in_sink[:, None], other=0.0)
-            kr = tl.load(kr_ptr + src_r[:, None] + dcol[None, :], mask=in_ring[:, None], other=0.0)
             vs = tl.load(vs_ptr + src_s[:, None] + dcol[None, :], mask=in_sink[:, None], other=0.0)
-            vr = tl.load(vr_ptr + src_r[:, None] + dcol[None, :], mask=in_ring[:, None], other=0.0)
+            if RING_FP8:  # FP8 rows with a scale each (fp8_ring.py)
+                kr = load_fp8_rows(kr_ptr + src_r, in_ring, D)
+                vr = load_fp8_rows(vr_ptr + src_r, in_ring, D)
+            else:
+                kr = tl.load(kr_ptr + src_r[:, None] + dcol[None, :], mask=in_ring[:, None], other=0.0)
+                vr = tl.load(vr_ptr + src_r[:, None] + dcol[None, :], mask=in_ring[:, None], other=0.0)
             kx = tl.where(in_sink[:, None], ks.to(tl.float32), kr.to(tl.float32))
             vx = tl.where(in_sink[:, None], vs.to(tl.float32), vr.to(tl.float32))
             tl.store(ko_ptr + row[:, None] + dcol[None, :], kx.to(ko_ptr.dtype.element_ty), mask=plain[:, None])
@@ -1250,7 +1266,9 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     # A decode step's chunk is its new token, which the store also wrote to the ring (or a sink): read there, the
     # BF16 launch drops the chunk's pointer selects and the call the reductions that find the chunk's bounds (four
     # small launches a layer). Forced chunk modes (dense_chunk) keep it.
-    ring_chunk = k_chunk is not None and t == 1 and geo.window > 0 and dense_chunk is None and not ablate
+    # An FP8 ring holds the token rounded: it is read from the chunk, exactly, as the reference reads it.
+    ring_chunk = (k_chunk is not None and t == 1 and geo.window > 0 and dense_chunk is None and not ablate
+                  and not geo.ring_fp8)
     LAST_LAUNCH["chunk_from_ring"] = ring_chunk
     if ring_chunk:
         k_chunk = v_chunk = chunk_positions = None
@@ -1295,7 +1313,8 @@ def attention_triton(q, positions, seq_lens, k_codes, k_meta, v_codes, v_meta, k
     dt = tl.bfloat16 if dot_dtype == torch.bfloat16 else tl.float16
     f32 = lambda x: x.float().contiguous()  # noqa: E731
     bq, bo, muv = f32(query_transform), f32(output_transform), f32(value_mean)
-    aligned = _aligned16(k_codes, v_codes, k_sink, v_sink, k_ring, v_ring, kch, vch)
+    # an FP8 ring's rows (d + 4 bytes) are read apart from the 16-bit rows, whose loads the hint is for
+    aligned = _aligned16(k_codes, v_codes, k_sink, v_sink, kch, vch, *(() if geo.ring_fp8 else (k_ring, v_ring)))
     frag = fragment_order.in_fragment_order(k_codes)
     prefix = None
     # 16-bit chunks only: 32-bit rows staged through shared memory by two pipelined loops do not fit it at d = 256
@@ -1382,7 +1401,7 @@ def _gathered_prefix(geo, lens, c0, has_chunk, kw, k_meta, vw, v_meta, k_sink, v
         k_ring.stride(2), k, v, k.stride(0), k.stride(1), k.stride(2), geo.num_sinks, geo.window, p,
         k_meta.stride(0), k_meta.stride(2), H=h, D=d,
         NG=geo.num_groups, PS=geo.page_size, BLOCK_N=block, HAS_CHUNK=has_chunk, ALIGNED=aligned, FRAG=frag,
-        KCH=geo.key_channel, num_warps=4)
+        KCH=geo.key_channel, RING_FP8=geo.ring_fp8, num_warps=4)
     return k, v
 
 
@@ -1476,7 +1495,7 @@ def _launch_tile(plan, q, pos, lens, c0, c_end, kch, vch, kw, k_meta, vw, v_meta
     meta = dict(H=h, G=g, D=d, NG=geo.num_groups, PS=geo.page_size, HAS_RING=geo.window > 0,
                 IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, HAS_CHUNK=has_chunk, DT=dt, KC=min(d, 64),
                 ALIGNED=aligned, ABLATE=ablate, USE_ASM=use_asm, FRAG=frag, num_stages=num_stages,
-                KCH=geo.key_channel, DEBIAS=debias > 0)
+                KCH=geo.key_channel, DEBIAS=debias > 0, RING_FP8=geo.ring_fp8)
     page_opts = {"maxnreg": maxnreg} if maxnreg else {}  # a register cap trades spills for CTAs per SM
     page_opts["KFOLD"] = bool(channel_fold)  # per-channel keys in blocks of whole pages: _dequant_dot_key_pages
     # warps: page_warps for the page region alone, else num_warps for both regions, else the heuristic

@@ -181,13 +181,47 @@ def _quantize_store(y, keep, qidx, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_
 
 
 @triton.jit
+def round_to_e4m3(y):
+    """fp32 ``y`` rounded to the nearest float8_e4m3fn value (ties to even, clamped to +-448), still fp32: its
+    conversion to e4m3 is then exact on the GPU and in the interpreter (which rounds some values just below a
+    power of two the wrong way). Normal values drop 20 mantissa bits on the integer bits; below 2^-6 the e4m3 grid
+    is uniform (steps of 2^-9), where adding and removing 1.5 * 2^14 rounds in fp32 arithmetic."""
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    bits = y.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(y) < 0.015625, (y + 24576.0) - 24576.0, normal)
+
+
+@triton.jit
+def store_fp8_rows(row_ptr, y, ok, D: tl.constexpr):
+    """FP8 ring rows (:mod:`.fp8_ring`) from fp32 ``y [N, D]`` at the uint8 row starts ``row_ptr [N]`` where ``ok``:
+    ``D`` e4m3 codes of ``y / scale``, then the fp32 ``scale = max|y| / 448`` (NaN for a row holding a NaN or inf,
+    which then decodes to NaN, as the reference's rows do)."""
+    finite = tl.sum(((y != y) | (tl.abs(y) == float("inf"))).to(tl.int32), 1) == 0
+    scale = tl.math.div_rn(tl.max(tl.abs(y), 1), tl.full([1], 448.0, tl.float32))  # correctly rounded, as torch
+    scale = tl.where(finite, scale, float("nan"))
+    codes = round_to_e4m3(tl.math.div_rn(y, tl.where(scale > 0, scale, 1.0)[:, None])).to(tl.float8e4nv)
+    tl.store(row_ptr[:, None] + tl.arange(0, D)[None, :], codes.to(tl.uint8, bitcast=True), mask=ok[:, None])
+    tl.store((row_ptr + D).to(tl.pointer_type(tl.float32)), scale, mask=ok)
+
+
+@triton.jit
+def load_fp8_rows(row_ptr, ok, D: tl.constexpr):
+    """fp32 ``[N, D]`` of the FP8 ring rows at ``row_ptr [N]`` (uint8 row starts); 0 where not ``ok``."""
+    codes = tl.load(row_ptr[:, None] + tl.arange(0, D)[None, :], mask=ok[:, None], other=0)
+    scale = tl.load((row_ptr + D).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+
+
+@triton.jit
 def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
                 codes_ptr, meta_ptr, sink_ptr, ring_ptr, bt_ptr,
                 b, h, t, p, inb, valid, first, last, stride_bt_b,
                 sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h,
                 so_b, so_t, so_h, clip_lo, clip_frac, S, W, MAX_PAGES, NUM_PAGES,
                 PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, HAS_CLIP: tl.constexpr,
-                HAS_RING: tl.constexpr, FRAG: tl.constexpr, KIND: tl.constexpr, CHUNK_ONLY: tl.constexpr):
+                HAS_RING: tl.constexpr, FRAG: tl.constexpr, KIND: tl.constexpr, CHUNK_ONLY: tl.constexpr,
+                RING_FP8: tl.constexpr):
     col = tl.arange(0, D)
     D4: tl.constexpr = D // 4
     c4 = tl.arange(0, D4)
@@ -220,13 +254,20 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
         # the slot's old occupant: the largest position congruent to p below this call's first position
         q = p - W * ((p - first) // w1 + 1)
         evict = ring_final & (q >= S)
-        ring_row = ring_ptr + b[:, None] * sr_b + slot[:, None] * sr_t + h * sr_h + col[None, :]
-        old = tl.load(ring_row, mask=evict[:, None], other=0.0).to(tl.float32)
+        if RING_FP8:  # FP8 rows with a scale each (fp8_ring.py)
+            ring_start = ring_ptr + b * sr_b + slot * sr_t + h * sr_h
+            old = load_fp8_rows(ring_start, evict, D)
+        else:
+            ring_row = ring_ptr + b[:, None] * sr_b + slot[:, None] * sr_t + h * sr_h + col[None, :]
+            old = tl.load(ring_row, mask=evict[:, None], other=0.0).to(tl.float32)
         _quantize_store(old, evict, q - S, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
                         sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, MAX_PAGES, NUM_PAGES,
                         PS, BLOCK_T, D, NG, HAS_CLIP, FRAG, KIND)
         tl.debug_barrier()
-        tl.store(ring_row, yc, mask=ring_final[:, None])
+        if RING_FP8:
+            store_fp8_rows(ring_start, y, ring_final, D)  # y: the cache-dtype row in fp32
+        else:
+            tl.store(ring_row, yc, mask=ring_final[:, None])
         to_page = valid & (p >= S) & ~ring_final
         _quantize_store(y, to_page, p - S, codes_ptr, meta_ptr, bt_ptr, b, h, stride_bt_b,
                         sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, MAX_PAGES, NUM_PAGES,
@@ -248,7 +289,7 @@ def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                   kclip_lo, kclip_frac, vclip_lo, vclip_frac, S, W, MAX_PAGES, NUM_PAGES, NH,
                   PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, NG: tl.constexpr,
                   K_CLIP: tl.constexpr, V_CLIP: tl.constexpr, HAS_RING: tl.constexpr, FRAG: tl.constexpr,
-                  CHUNK_ONLY: tl.constexpr = False):
+                  CHUNK_ONLY: tl.constexpr = False, RING_FP8: tl.constexpr = False):
     # A program takes BLOCK_T consecutive (batch row, token) pairs of the flattened B x T tokens: a prefill
     # chunk's tokens of one row, or one decode token of each of BLOCK_T rows (so a decode step reads each
     # head's d x d matrix once per 16 rows, not once per row). Keys and values in separate programs (grid
@@ -266,12 +307,12 @@ def _store_kernel(k_ptr, v_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
         _store_side(k_ptr, sk_b, sk_h, sk_t, ak_ptr, muk_ptr, kout_ptr, kc_ptr, km_ptr, ks_ptr, kr_ptr, bt_ptr,
                     b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
                     ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, kclip_lo, kclip_frac, S, W, MAX_PAGES,
-                    NUM_PAGES, PS, BLOCK_T, D, NG, K_CLIP, HAS_RING, FRAG, 0, CHUNK_ONLY)
+                    NUM_PAGES, PS, BLOCK_T, D, NG, K_CLIP, HAS_RING, FRAG, 0, CHUNK_ONLY, RING_FP8)
     else:
         _store_side(v_ptr, sv_b, sv_h, sv_t, av_ptr, muv_ptr, vout_ptr, vc_ptr, vm_ptr, vs_ptr, vr_ptr, bt_ptr,
                     b, h, t, p, inb, valid, first, last, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
                     ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, so_b, so_t, so_h, vclip_lo, vclip_frac, S, W, MAX_PAGES,
-                    NUM_PAGES, PS, BLOCK_T, D, NG, V_CLIP, HAS_RING, FRAG, 1, CHUNK_ONLY)
+                    NUM_PAGES, PS, BLOCK_T, D, NG, V_CLIP, HAS_RING, FRAG, 1, CHUNK_ONLY, RING_FP8)
 
 
 @triton.jit
@@ -413,6 +454,7 @@ def store_triton(k, v, positions, k_codes, k_meta, v_codes, v_meta, k_sink, v_si
         PS=geo.page_size, BLOCK_T=block_t, D=d, NG=geo.num_groups, K_CLIP=kc and not geo.key_channel, V_CLIP=vc,
         HAS_RING=geo.window > 0,
         FRAG=fragment_order.in_fragment_order(k_codes), num_warps=warps, CHUNK_ONLY=geo.key_channel,
+        RING_FP8=geo.ring_fp8,
     )
     if geo.key_channel:
         _store_pages_then_ring(geo, pos, first, last, k_out, v_out, k_codes, k_meta, v_codes, v_meta, k_ring, v_ring,

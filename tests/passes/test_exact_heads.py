@@ -69,6 +69,27 @@ def test_every_head_exact_is_a_bf16_layer():
     torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("whole_layer", [False, True], ids=["companion", "whole-layer"])
+def test_exact_heads_in_fp8_hold_their_tokens_in_fp8_rows(whole_layer):
+    # exact_format="fp8": the exact heads' ring (every token after the sinks) in FP8 rows with a scale each, whether
+    # they sit in a companion beside INT2 heads or make up the whole layer. Seen through the exact head only, the
+    # logits are BF16's up to e4m3 rounding of keys and values (3 mantissa bits: a few % a value, ~1% on logits
+    # that average many), and nearer BF16 than INT2 is
+    heads = [0, 1] if whole_layer else [1]
+    model = _one_layer_model(silenced_heads=() if whole_layer else (0, 1, 2))
+    ids = torch.randint(3, 97, (2, 13), generator=torch.Generator().manual_seed(0))
+    exact = prefill_and_decode(model, ids, make_hf_cache("dynamic", model, 32, 2), STEPS)
+    fp8, backend = _run(model, exact_heads={0: heads}, exact_format="fp8")
+    (cache,) = backend.storage.values()
+    held = cache if whole_layer else cache.exact.cache
+    assert held.ring_format == "fp8" and held.layers[0].k_ring.dtype == torch.uint8
+    assert (cache.exact is None) == whole_layer and not held.quantize
+    all_int2, _ = _run(model)
+    assert 0 < rel_error(fp8, exact) < 0.015 and rel_error(fp8, exact) < rel_error(all_int2, exact) / 4
+    with pytest.raises(ValueError, match="exact_format must be one of"):
+        oscar_backend(exact_format="fp4")
+
+
 def test_exact_heads_option_is_checked():
     assert resolve_exact_heads(None) == {} and resolve_exact_heads("auto") == {}  # no artifact: none
     assert resolve_exact_heads({3: [2, 0, 2]}) == {3: (0, 2)}
