@@ -197,6 +197,7 @@ def store_fp8_rows(row_ptr, y, ok, D: tl.constexpr):
     """FP8 ring rows (:mod:`.fp8_ring`) from fp32 ``y [N, D]`` at the uint8 row starts ``row_ptr [N]`` where ``ok``:
     ``D`` e4m3 codes of ``y / scale``, then the fp32 ``scale = max|y| / 448`` (NaN for a row holding a NaN or inf,
     which then decodes to NaN, as the reference's rows do)."""
+    row_ptr = tl.multiple_of(row_ptr, 4)  # rows of d + 4 bytes start on 4 bytes: word stores
     finite = tl.sum(((y != y) | (tl.abs(y) == float("inf"))).to(tl.int32), 1) == 0
     scale = tl.math.div_rn(tl.max(tl.abs(y), 1), tl.full([1], 448.0, tl.float32))  # correctly rounded, as torch
     scale = tl.where(finite, scale, float("nan"))
@@ -208,6 +209,7 @@ def store_fp8_rows(row_ptr, y, ok, D: tl.constexpr):
 @triton.jit
 def load_fp8_rows(row_ptr, ok, D: tl.constexpr):
     """fp32 ``[N, D]`` of the FP8 ring rows at ``row_ptr [N]`` (uint8 row starts); 0 where not ``ok``."""
+    row_ptr = tl.multiple_of(row_ptr, 4)  # rows of d + 4 bytes start on 4 bytes: word loads, not byte loads
     codes = tl.load(row_ptr[:, None] + tl.arange(0, D)[None, :], mask=ok[:, None], other=0)
     scale = tl.load((row_ptr + D).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
     return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
