@@ -15,7 +15,7 @@
 # `python3 benchmarks/pack_for_gpu.py MODEL...` makes the folders to stage (build/stage/NN) and prints their calls.
 # Make the first staging call alone, the rest after it starts: on 2026-12-06 no machine started, and each of the 29
 # calls queued behind the first was refused at 15 s of device time (691 s of the session's 1,800 gone, nothing staged).
-# On 2026-12-06 (late) no machine started in 2.5 hours: 18 lone calls, each failed start ~90 s, 1,441 s gone. Space
+# On 2026-12-06 (late) no machine started in 2.7 hours: 20 lone calls, each failed start ~90 s, 1,636 s gone. Space
 # retries by the wait the refusal names, and keep the first GPU call small (tests, then the longest job).
 set -e
 export OSCAR_CACHE=${OSCAR_CACHE:-/tmp/oc} PYTHONUNBUFFERED=1
