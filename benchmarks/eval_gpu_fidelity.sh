@@ -115,15 +115,15 @@ retrieval() {  # $1: model, $2: context, $3: methods (default: BF16, every head 
      --name "eval_$1_${CARD}_$(($2 / 1024))k_retrieval$((${RSAMPLES:-2} * 6))$([ "$seed" = 0 ] || echo "_seed$seed")$tag" \
      > "$W/$1_$2_retrieval_$seed$tag.log" 2>&1
 }
-share() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: retrieval samples
+share() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: retrieval samples, $6: more methods,
+  # $7: the run's tag (default: share)
+  local tag=${7:-share}
   $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" \
-     --methods bf16,default,default:xh${SHARE:-0.125} --retrieval-lengths "$2" --retrieval-samples "$5" --out "$W" \
-     --name "eval_$1_${CARD}_$(($2 / 1024))k_share" > "$W/$1_$2_share.log" 2>&1
+     --methods bf16,default,default:xh${SHARE:-0.125}$6 --retrieval-lengths "$2" --retrieval-samples "$5" --out "$W" \
+     --name "eval_$1_${CARD}_$(($2 / 1024))k_$tag" > "$W/$1_$2_$tag.log" 2>&1
 }
-fp8() {  # $1: model, $2: context, $3: sequences, $4: scored tokens each, $5: retrieval samples
-  $E "$(gguf_of $1)" --model "$1" --ppl-contexts "$2" --ppl-sequences "$3" --ppl-decode "$4" \
-     --methods bf16,default,default:xh${SHARE:-0.125},default:xh${SHARE:-0.125}:x8 --retrieval-lengths "$2" \
-     --retrieval-samples "$5" --out "$W" --name "eval_$1_${CARD}_$(($2 / 1024))k_fp8heads" > "$W/$1_$2_fp8.log" 2>&1
+fp8() {  # the share's methods and its heads in FP8 (:x8); arguments as share's
+  share "$1" "$2" "$3" "$4" "$5" ",default:xh${SHARE:-0.125}:x8" fp8heads
 }
 for m in $MODELS; do
   case $1 in retrieval) for c in ${CONTEXTS:-8192}; do retrieval $m "$c" & done ;; esac

@@ -49,6 +49,7 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
     ``sliding_storage="ring"``)."""
     from .backend import BackendOptions, resolve_exact_heads, resolve_layer_key_formats, resolve_page_size
     from .hf import sliding_windows
+    from .kernels.fp8_ring import fp8_row_bytes
 
     heads, d = kv_geometry(model_config)
     fp_bits = torch.finfo(cache_dtype).bits
@@ -86,7 +87,7 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
     exact_bits = fp_bits
     if method.options.get("exact_format", BackendOptions.exact_format) == "fp8":
         sinks = min(num_sinks, context)
-        exact_bits = (sinks * fp_bits + (context - sinks) * (8 + 32 / d)) / context
+        exact_bits = (sinks * fp_bits + (context - sinks) * 8 * fp8_row_bytes(d) / d) / context
     extra += sum(min(len(hs), heads) / heads * (exact_bits - full) for layer, hs in exact.items()
                  if layer not in slides and layer not in kept and layer < layers)
     return (full * (layers - len(slides) - dense) + extra + fp_bits * dense + sliding_bits) / layers

@@ -48,15 +48,17 @@ def anisotropic_moment(h: int, d: int, gen: torch.Generator, spread: float = 100
 
 def twin_caches(h: int, d: int, batch: int, max_len: int, num_sinks: int, window: int, page_size: int,
                 group_size: int | None = None, dtype=torch.float32, kind: str = "orthogonal", clip: float = 1.0,
-                seed: int = 0, device="cpu", key_format: str = "token") -> tuple[PagedInt2KVCache, PagedInt2KVCache]:
+                seed: int = 0, device="cpu", key_format: str = "token", **cache_options
+                ) -> tuple[PagedInt2KVCache, PagedInt2KVCache]:
     """Two identical one-layer caches (same random transforms, every row allocated to ``max_len``): one
-    for a reference implementation, one for the implementation under test."""
+    for a reference implementation, one for the implementation under test. ``cache_options``: more
+    :class:`PagedInt2KVCache` arguments (``quantize``, ``ring_format``, ...)."""
     tr = random_transforms(h, d, kind, torch.Generator().manual_seed(seed), clip=clip)
     caches = []
     for _ in range(2):
         c = PagedInt2KVCache(1, h, d, max_batch_size=batch, max_seq_len=max_len, num_sinks=num_sinks, window=window,
                              page_size=page_size, group_size=group_size, dtype=dtype, device=device,
-                             key_format=key_format)
+                             key_format=key_format, **cache_options)
         c.set_transforms(0, tr)
         for r in range(batch):
             c.allocate(r, max_len)

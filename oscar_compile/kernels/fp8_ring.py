@@ -1,8 +1,8 @@
 """The FP8 ring: a cache's recent (or, without INT2 pages in use, every) token row in FP8 with its own scale.
 
 A layer's retrieval heads (the backend's ``exact_heads``) keep every token in the ring of a cache that quantizes
-nothing. In BF16 that ring costs 16 bits an element; stored here it costs ``8 + 32 / d``, and an accuracy probe
-(``benchmarks/probe_exact_heads_fp8.py``, Gemma 3 270M at 2K) found the retrieval heads' gain kept.
+nothing. In BF16 that ring costs 16 bits an element; stored here it costs ``8 + 32 / d``, and on Gemma 3 270M at 2K
+(CPU) it kept the retrieval heads' gain (README, "FP8 retrieval heads, the storage").
 
 Format: the ring tensor is ``uint8 [batch, tokens, kv_heads, d + 4]``; a token row of one head is ``d`` FP8 e4m3
 codes (``float8_e4m3fn``: max 448, 3 mantissa bits, round to nearest even) followed by its fp32 scale, little

@@ -16,7 +16,7 @@ from oscar_compile.kernels.fp8_ring import FP8_MAX, decode_rows, encode_rows, fp
 from oscar_compile.kernels.store import store_reference
 from oscar_compile.kernels.triton_attention import LAST_LAUNCH, attention_triton
 from oscar_compile.kernels.triton_store import store_triton
-from oscar_compile.testing import random_transforms, rel_error
+from oscar_compile.testing import rel_error, twin_caches
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ATTN_TOL = 5e-3
@@ -45,14 +45,8 @@ def test_a_non_finite_value_makes_its_row_nan_and_no_other():
 
 
 def _caches(h, d, batch, max_len, s, w, ps, quantize, dtype, seed):
-    tr = random_transforms(h, d, "orthogonal", torch.Generator().manual_seed(seed))
-    caches = []
-    for _ in range(2):
-        c = PagedInt2KVCache(1, h, d, max_batch_size=batch, max_seq_len=max_len, num_sinks=s, window=w, page_size=ps,
-                             quantize=quantize, dtype=dtype, device=DEV, ring_format="fp8", identity_block_table=True)
-        c.set_transforms(0, tr)
-        caches.append(c)
-    return caches
+    return twin_caches(h, d, batch, max_len, s, w, ps, dtype=dtype, seed=seed, device=DEV, quantize=quantize,
+                       ring_format="fp8")
 
 
 def _assert_same_rings(ref, got):
