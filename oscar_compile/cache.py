@@ -271,9 +271,9 @@ class PagedInt2KVCache:
             the attention. 0 (default) reads the scores as they are.
         dtype: dtype of sinks and ring; meta_dtype: dtype of scales and minimums.
         ring_format: ``"bf16"`` (the ring in ``dtype``) or ``"fp8"``: the ring's rows in FP8 e4m3 with an fp32 scale
-            each (``8 + 32 / head_dim`` bits an element, :mod:`.kernels.fp8_ring`); sinks stay in ``dtype``. For a
-            cache with per-token keys and pages (the backend gives it to retrieval heads, which keep every token in
-            the ring of a cache that quantizes nothing: ``quantize=False``).
+            each (``8 + 32 / head_dim`` bits an element, :mod:`.kernels.fp8_ring`); sinks stay in ``dtype``. Only
+            for a cache that quantizes nothing (``quantize=False``, per-token keys, no sliding window): the backend
+            gives it to retrieval heads, whose ring keeps every token.
     """
 
     def __init__(
@@ -331,6 +331,12 @@ class PagedInt2KVCache:
         if ring_format == "fp8" and (sliding_window is not None or self.key_format == "channel"):
             raise ValueError("oscar: ring_format='fp8' needs per-token keys and no sliding window (the ring of a cache "
                              "that quantizes nothing, or per-token INT2 pages)")
+        if ring_format == "fp8" and quantize:
+            # The Triton store evicts FP8 rows into INT2 pages, and on an H100 (2026-12-07) that path gave NaN in its
+            # test while the interpreter matched the reference: refused until a GPU run shows why. The backend never
+            # makes one (its FP8 rings hold every token: retrieval heads, whole exact layers).
+            raise ValueError("oscar: ring_format='fp8' needs quantize=False (a ring that holds every token, as the "
+                             "backend's retrieval heads do): FP8 rows evicted into INT2 pages are not verified on the GPU")
         self.ring_format = ring_format
         if not 0.0 <= float(score_debias) <= 4.0:
             raise ValueError(f"oscar: score_debias must be in [0, 4] (1 removes the expected INT2 score noise), got {score_debias}")

@@ -256,7 +256,8 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
         # the slot's old occupant: the largest position congruent to p below this call's first position
         q = p - W * ((p - first) // w1 + 1)
         evict = ring_final & (q >= S)
-        if RING_FP8:  # FP8 rows with a scale each (fp8_ring.py)
+        if RING_FP8:  # FP8 rows with a scale each (fp8_ring.py). The caches allowed one never evict (quantize=False):
+            # this eviction matched the reference in the interpreter but gave NaN on an H100 (2026-12-07), unexplained
             ring_start = ring_ptr + b * sr_b + slot * sr_t + h * sr_h
             old = load_fp8_rows(ring_start, evict, D)
         else:

@@ -44,8 +44,8 @@ def test_a_non_finite_value_makes_its_row_nan_and_no_other():
     assert bool(y[1].isnan().all() and y[2].isnan().all()) and bool(torch.isfinite(y[[0, 3]]).all())
 
 
-def _caches(h, d, batch, max_len, s, w, ps, quantize, dtype, seed):
-    return twin_caches(h, d, batch, max_len, s, w, ps, dtype=dtype, seed=seed, device=DEV, quantize=quantize,
+def _caches(h, d, batch, max_len, s, w, ps, dtype, seed):  # quantize=False: the one cache an FP8 ring is allowed in
+    return twin_caches(h, d, batch, max_len, s, w, ps, dtype=dtype, seed=seed, device=DEV, quantize=False,
                        ring_format="fp8")
 
 
@@ -60,15 +60,15 @@ def _assert_same_rings(ref, got):
         torch.testing.assert_close(decode_rows(b), decode_rows(a), rtol=0.07, atol=1e-3)  # one e4m3 step: 2^-4
 
 
-@pytest.mark.parametrize("quantize", [False, True], ids=["every-token-in-the-ring", "int2-pages-behind-it"])
-def test_store_and_attention_match_reference_small(quantize):
-    # rows of different lengths with padding, a prefill longer than the window (INT2 caches evict FP8 rows into
-    # pages), decode steps read with and without the store's chunk
+def test_store_and_attention_match_reference_small():
+    # rows of different lengths with padding, prefill then decode steps read with and without the store's chunk, on
+    # every token in the ring. With INT2 pages behind it (an eviction into pages each step) this test passed in the
+    # interpreter and gave NaN on an H100 (2026-12-07): that cache is refused (test_fp8_ring_is_refused_...).
     h, gqa, d, s, w, ps, dtype = 2, 2, 64, 3, 6, 4, torch.float32
     lengths, steps = (19, 7), 3
     gen = torch.Generator().manual_seed(1)
     b, t, max_len = len(lengths), max(lengths), max(lengths) + steps + 1
-    ref, got = _caches(h, d, b, max_len, s, w, ps, quantize, dtype, seed=2)
+    ref, got = _caches(h, d, b, max_len, s, w, ps, dtype, seed=2)
     assert got.layers[0].k_ring.dtype == torch.uint8
     pos = torch.stack([torch.where(torch.arange(t) < n, torch.arange(t), -1) for n in lengths]).to(DEV)
     k, v = (torch.randn(b, h, t, d, generator=gen).to(DEV, dtype) * 3 for _ in range(2))
@@ -100,7 +100,7 @@ def test_prefill_over_a_gathered_fp8_prefix_small():
     # a second chunk after a first: the fused prefill gathers the rows before the chunk (FP8 ring rows decoded)
     h, gqa, d, s = 1, 4, 64, 2
     gen = torch.Generator().manual_seed(3)
-    ref, got = _caches(h, d, 2, 64, s, 8, 4, False, torch.bfloat16, seed=4)
+    ref, got = _caches(h, d, 2, 64, s, 8, 4, torch.bfloat16, seed=4)
     for c0, c1 in ((0, 21), (21, 37)):
         pos = torch.arange(c0, c1, device=DEV)
         k, v = (torch.randn(2, h, c1 - c0, d, generator=gen).to(DEV, torch.bfloat16) for _ in range(2))
@@ -139,7 +139,9 @@ def test_fp8_ring_is_refused_where_the_kernels_do_not_take_it():
         PagedInt2KVCache(1, 1, 64, key_format="channel", page_size=16, ring_format="fp8")
     with pytest.raises(ValueError, match="ring_format must be one of"):
         PagedInt2KVCache(1, 1, 64, ring_format="int4")
-    c = PagedInt2KVCache(1, 1, 64, max_seq_len=32, ring_format="fp8")
+    with pytest.raises(ValueError, match="ring_format='fp8' needs quantize=False"):
+        PagedInt2KVCache(1, 1, 64, max_seq_len=32, ring_format="fp8")
+    c = PagedInt2KVCache(1, 1, 64, max_seq_len=32, quantize=False, ring_format="fp8")
     layer = c.layers[0]
     k = torch.randn(1, 1, 3, 64)
     args = list(c.store_args(0, k, k, torch.arange(3)))
