@@ -2,8 +2,8 @@
 interpreter). ``PagedInt2KVCache`` refuses ``ring_format="fp8"`` with ``quantize=True`` until this is understood, so
 the probe builds INT2 caches with BF16 rings and swaps in FP8 rings (the ops take them: ``checks.check_cache``).
 
-It replays ``test_fp8_ring.py``'s decode test (2 rows of 19 and 7 tokens, padding, 3 sinks, a window of 6, pages of 4,
-3 decode steps) with the reference store on one cache and the Triton store on its twin, and after every launch
+It replays the decode test ``test_fp8_ring.py`` ran on the H100 with ``quantize=True`` (same sizes and random
+draws: 2 rows of 19 and 7 tokens, padding, 3 sinks, a window of 6, pages of 4, 3 decode steps) with the reference store on one cache and the Triton store on its twin, and after every launch
 prints which cache tensors hold non-finite values (and where), which differ between the twins, whether the attention
 changed the cache, and which output rows are NaN. ``--dtype bfloat16`` repeats it in the model's dtype.
 
@@ -58,6 +58,11 @@ def differ(ref, got):
     return ", ".join(out) or "none"
 
 
+def nan_rows(out):
+    """The first (row, head, query) indices whose output holds a NaN."""
+    return out.isnan().any(-1).nonzero().tolist()[:4]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="float32")
@@ -71,11 +76,17 @@ def main():
     ref, got = fp8_twins(h, d, b, max_len, s, w, ps, dtype, 2, dev)
     pos = torch.stack([torch.where(torch.arange(t) < n, torch.arange(t), -1) for n in lengths]).to(dev)
     k, v = (torch.randn(b, h, t, d, generator=gen).to(dev, dtype) * 3 for _ in range(2))
-    store_reference(*ref.store_args(0, k, v, pos))
+    ck, cv = store_reference(*ref.store_args(0, k, v, pos))
     store_triton(*got.store_args(0, k, v, pos))
     report("prefill, reference store", ref)
     report("prefill, Triton store", got)
     print("  differ:", differ(ref, got))
+    # the test drew its prefill queries here: the same draw keeps every decode step's inputs the failing run's
+    q = torch.randn(b, h * gqa, t, d, generator=gen).to(dev, dtype)
+    for name, cache in (("reference", ref), ("Triton", got)):  # the test read only the reference store's cache
+        a = cache.attention_args(0, q, pos, pos.amax(-1) + 1, None, True, chunk=(ck, cv, pos))
+        print(f"  prefill attention over the {name} store's cache: NaN rows Triton "
+              f"{nan_rows(attention_triton(*a))}, reference {nan_rows(attention_reference(*a))}")
     lens = list(lengths)
     for step in range(steps):
         p1 = torch.tensor(lens, device=dev)[:, None]
@@ -91,8 +102,8 @@ def main():
         o_t = attention_triton(*a)
         changed = [n for n, x, y in zip(NAMES, before, got.layers[0].tensors()) if not torch.equal(x, y)]
         o_r = attention_reference(*a)
-        print(f"  attention over the Triton store's cache: NaN rows Triton {o_t.isnan().any(-1).nonzero().tolist()[:4]}, "
-              f"reference {o_r.isnan().any(-1).nonzero().tolist()[:4]}; cache changed by it: {changed or 'nothing'}")
+        print(f"  attention over the Triton store's cache: NaN rows Triton {nan_rows(o_t)}, reference {nan_rows(o_r)}; "
+              f"cache changed by it: {changed or 'nothing'}")
         lens = [n + 1 for n in lens]
 
 
