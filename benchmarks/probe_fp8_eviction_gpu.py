@@ -8,6 +8,9 @@ prints which cache tensors hold non-finite values (and where), which differ betw
 changed the cache, and which output rows are NaN. ``--dtype bfloat16`` repeats it in the model's dtype.
 
     python benchmarks/probe_fp8_eviction_gpu.py [--dtype float32|bfloat16]
+
+``gpu_fp8_eviction_check.sh`` runs it before and after ``fp8_integer_decode.patch`` (a candidate fix, not yet run on
+a GPU: e4m3 decoded by integer arithmetic instead of Triton's fp8 conversion).
 """
 
 from __future__ import annotations
