@@ -17,7 +17,8 @@
 # calls queued behind the first was refused at 15 s of device time (691 s of the session's 1,800 gone, nothing staged).
 # On 2026-12-06 (late) no machine started in 2.7 hours: 20 lone calls, each failed start ~90 s, 1,636 s gone. Space
 # retries by the wait the refusal names, and keep the first GPU call small (tests, then the longest job).
-# On 2026-12-07 (morning) none started in 2 hours: 11 tries spaced by the named waits, ~90-105 s each, 1,250 s gone.
+# On 2026-12-07 (morning) none started in 2 hours: 14 tries spaced by the named waits, ~90-105 s each, 1,516 s gone
+# (after an H200 refusal the next plain call gets an H100 try, which failed as well every time).
 set -e
 export OSCAR_CACHE=${OSCAR_CACHE:-/tmp/oc} PYTHONUNBUFFERED=1
 mkdir -p /tmp/stage "$OSCAR_CACHE/gguf" "$OSCAR_CACHE/text"
