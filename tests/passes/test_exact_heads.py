@@ -31,9 +31,14 @@ def _one_layer_model(silenced_heads=(), head_dim=16):
     return model
 
 
+def _ids(device="cpu"):
+    """The prompts every test here runs: 2 rows of 13 tokens, the same each call."""
+    return torch.randint(3, 97, (2, 13), generator=torch.Generator().manual_seed(0)).to(device)
+
+
 def _run(model, **options):
     torch._dynamo.reset()
-    ids = torch.randint(3, 97, (2, 13), generator=torch.Generator().manual_seed(0)).to(model.device)
+    ids = _ids(model.device)
     backend = oscar_backend(**OPTS, **options)
     out = prefill_and_decode(torch.compile(model, backend=backend), ids, make_hf_cache("oscar", model, 32, 2), STEPS)
     return out, backend
@@ -44,8 +49,7 @@ def test_exact_head_reads_bf16_and_int2_head_reads_int2():
     # KV head 0 only, they are the all-INT2 run's (INT2 rounds each head on its own: same codes either way).
     # fp32 model, fp32 rows: only summation order differs (1e-4)
     through_exact = _one_layer_model(silenced_heads=(0, 1, 2))
-    exact = prefill_and_decode(through_exact, torch.randint(3, 97, (2, 13), generator=torch.Generator().manual_seed(0)),
-                               make_hf_cache("dynamic", through_exact, 32, 2), STEPS)
+    exact = prefill_and_decode(through_exact, _ids(), make_hf_cache("dynamic", through_exact, 32, 2), STEPS)
     split, backend = _run(through_exact, exact_heads={0: [1]})
     (cache,) = backend.storage.values()
     assert cache.num_kv_heads == 1 and cache.exact.exact_heads == (1,) and not cache.exact.cache.quantize
@@ -62,8 +66,7 @@ def test_exact_head_reads_bf16_and_int2_head_reads_int2():
 
 def test_every_head_exact_is_a_bf16_layer():
     model = _one_layer_model()
-    exact = prefill_and_decode(model, torch.randint(3, 97, (2, 13), generator=torch.Generator().manual_seed(0)),
-                               make_hf_cache("dynamic", model, 32, 2), STEPS)
+    exact = prefill_and_decode(model, _ids(), make_hf_cache("dynamic", model, 32, 2), STEPS)
     got, backend = _run(model, exact_heads={0: [0, 1]})
     (cache,) = backend.storage.values()
     assert not cache.quantize and cache.exact is None
@@ -81,7 +84,7 @@ def test_exact_heads_in_fp8_hold_their_tokens_in_fp8_rows(whole_layer, device):
     heads = [0, 1] if whole_layer else [1]
     head_dim = 64 if device == "cuda" else 16
     model = _one_layer_model(silenced_heads=() if whole_layer else (0, 1, 2), head_dim=head_dim).to(device)
-    ids = torch.randint(3, 97, (2, 13), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = _ids(device)
     exact = prefill_and_decode(model, ids, make_hf_cache("dynamic", model, 32, 2), STEPS)
     fp8, backend = _run(model, exact_heads={0: heads}, exact_format="fp8")
     (cache,) = backend.storage.values()
@@ -158,7 +161,7 @@ def test_tensor_parallel_rank_keeps_its_share_of_the_exact_heads():
     # a rank holding KV heads 2-3 of a layer (its k_proj shard's offset; tensor_parallel.first_kv_heads) keeps global
     # head 3 exact as its local head 1, and a rank without any of a layer's exact heads splits nothing
     model = _one_layer_model(silenced_heads=(0, 1, 2))
-    ids = torch.randint(3, 97, (2, 13), generator=torch.Generator().manual_seed(0))
+    ids = _ids()
     exact = prefill_and_decode(model, ids, make_hf_cache("dynamic", model, 32, 2), STEPS)
     for global_heads, first, local in (([3], 2, (1,)), ([1], 2, None)):
         torch._dynamo.reset()
