@@ -16,13 +16,23 @@ def short(config: str) -> str:
         return "heads in FP8"
     if "BF16" in config and "exact" in config:
         return "heads in BF16"
+    if config.startswith("bf16 StaticCache"):
+        return "BF16 (Inductor)"
     return "every head INT2" if config == "oscar INT2" else config[:24]
+
+
+def storage_gb(r: dict) -> float:
+    """The cache's storage: oscar's own count, or BF16's K and V of Llama-3-8B's shape (8 KV heads of 128)."""
+    if "int2_storage_gb" in r:
+        return r["int2_storage_gb"]
+    return r["batch"] * (r["prompt"] + r["new_tokens"]) * r.get("layers", 32) * 8 * 128 * 2 * 2 / 1e9
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", default="8 layers", help="the models' depth, for the title")
     args = ap.parse_args()
     import matplotlib
 
@@ -44,10 +54,10 @@ def main():
         ax_speed.barh(names, [r["decode_tokens_per_s"] for r in rows], color="tab:blue")
         ax_speed.set_xlabel("decode tokens/s")
         ax_speed.set_title(f"{batch} x {prompt // 1024}K")
-        ax_bytes.barh(names, [r["int2_storage_gb"] for r in rows], color="tab:orange")
+        ax_bytes.barh(names, [storage_gb(r) for r in rows], color="tab:orange")
         ax_bytes.set_xlabel("cache storage, GB")
         ax_bytes.set_yticklabels([])
-    fig.suptitle(f"Retrieval heads' storage, Llama-3-8B shape, 8 layers ({device})")
+    fig.suptitle(f"Retrieval heads' storage, Llama-3-8B shape, {args.layers} ({device})")
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")

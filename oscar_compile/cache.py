@@ -331,12 +331,6 @@ class PagedInt2KVCache:
         if ring_format == "fp8" and (sliding_window is not None or self.key_format == "channel"):
             raise ValueError("oscar: ring_format='fp8' needs per-token keys and no sliding window (the ring of a cache "
                              "that quantizes nothing, or per-token INT2 pages)")
-        if ring_format == "fp8" and quantize:
-            # The Triton store evicts FP8 rows into INT2 pages, and on an H100 (2026-12-07) that path gave NaN in its
-            # test while the interpreter matched the reference: refused until a GPU run shows why. The backend never
-            # makes one (its FP8 rings hold every token: retrieval heads, whole exact layers).
-            raise ValueError("oscar: ring_format='fp8' needs quantize=False (a ring that holds every token, as the "
-                             "backend's retrieval heads do): FP8 rows evicted into INT2 pages are not verified on the GPU")
         self.ring_format = ring_format
         if not 0.0 <= float(score_debias) <= 4.0:
             raise ValueError(f"oscar: score_debias must be in [0, 4] (1 removes the expected INT2 score noise), got {score_debias}")

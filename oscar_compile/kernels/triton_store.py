@@ -212,7 +212,9 @@ def load_fp8_rows(row_ptr, ok, D: tl.constexpr):
     row_ptr = tl.multiple_of(row_ptr, 4)  # rows of d + 4 bytes start on 4 bytes: word loads, not byte loads
     codes = tl.load(row_ptr[:, None] + tl.arange(0, D)[None, :], mask=ok[:, None], other=0)
     scale = tl.load((row_ptr + D).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
-    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+    # The select is needed: on an H100 (Triton 3.6) the skipped rows came out of the loads' `other` non-finite in
+    # registers (stored, they read 0), and the store's quantizer then wrote NaN metadata for the rows it evicted.
+    return tl.where(ok[:, None], codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None], 0.0)
 
 
 @triton.jit
@@ -256,8 +258,7 @@ def _store_side(x_ptr, sx_b, sx_h, sx_t, a_ptr, mu_ptr, out_ptr,
         # the slot's old occupant: the largest position congruent to p below this call's first position
         q = p - W * ((p - first) // w1 + 1)
         evict = ring_final & (q >= S)
-        if RING_FP8:  # FP8 rows with a scale each (fp8_ring.py). The caches allowed one never evict (quantize=False):
-            # this eviction matched the reference in the interpreter but gave NaN on an H100 (2026-12-07), unexplained
+        if RING_FP8:  # FP8 rows with a scale each (fp8_ring.py)
             ring_start = ring_ptr + b * sr_b + slot * sr_t + h * sr_h
             old = load_fp8_rows(ring_start, evict, D)
         else:

@@ -9,13 +9,15 @@ tie; we allow 0.5% of codes). Attention compares at the Triton tests' 5e-3 relat
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from oscar_compile import PagedInt2KVCache
 from oscar_compile.kernels.attention import attention_reference
 from oscar_compile.kernels.fp8_ring import FP8_MAX, decode_rows, encode_rows, fp8_row_bytes, is_fp8_ring
 from oscar_compile.kernels.store import store_reference
 from oscar_compile.kernels.triton_attention import LAST_LAUNCH, attention_triton
-from oscar_compile.kernels.triton_store import store_triton
+from oscar_compile.kernels.triton_store import load_fp8_rows, store_triton
 from oscar_compile.testing import rel_error, twin_caches
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,8 +46,32 @@ def test_a_non_finite_value_makes_its_row_nan_and_no_other():
     assert bool(y[1].isnan().all() and y[2].isnan().all()) and bool(torch.isfinite(y[[0, 3]]).all())
 
 
-def _caches(h, d, batch, max_len, s, w, ps, dtype, seed):  # quantize=False: the one cache an FP8 ring is allowed in
-    return twin_caches(h, d, batch, max_len, s, w, ps, dtype=dtype, seed=seed, device=DEV, quantize=False,
+@triton.jit
+def _load_rows(ring_ptr, out_ptr, finite_ptr, row_ptr, ok_ptr, N: tl.constexpr, D: tl.constexpr):
+    i = tl.arange(0, N)
+    ok = tl.load(ok_ptr + i) != 0
+    x = load_fp8_rows(ring_ptr + tl.load(row_ptr + i).to(tl.int64) * (D + 4), ok, D)
+    tl.store(out_ptr + i[:, None] * D + tl.arange(0, D)[None, :], x)
+    tl.store(finite_ptr + i, tl.min(((x - x) == 0.0).to(tl.int32), axis=1))  # the store's finiteness test
+
+
+def test_kernels_read_fp8_rows_and_zero_the_rows_they_skip():
+    # On an H100 (Triton 3.6, 2026-12-07) the rows a masked read skipped were not finite in registers (the store
+    # then wrote NaN metadata for the rows it evicted) while a store of the same registers wrote zeros: the test
+    # checks the registers, as the store's quantizer reads them. Decoding is exact: the same e4m3 codes and scale.
+    gen = torch.Generator().manual_seed(5)
+    n, d = 16, 64
+    ring = encode_rows(torch.randn(7, d, generator=gen) * 3).to(DEV)
+    rows = torch.randint(0, 7, (n,), generator=gen).to(DEV)
+    ok = (torch.rand(n, generator=gen) < 0.6).to(DEV, torch.int32)
+    out, finite = torch.full((n, d), 7.0, device=DEV), torch.zeros(n, dtype=torch.int32, device=DEV)
+    _load_rows[(1,)](ring, out, finite, rows, ok, N=n, D=d)
+    assert 0 < int(ok.sum()) < n and bool(finite.all())
+    assert torch.equal(out, torch.where(ok[:, None] != 0, decode_rows(ring[rows]), 0.0))
+
+
+def _caches(h, d, batch, max_len, s, w, ps, quantize, dtype, seed):
+    return twin_caches(h, d, batch, max_len, s, w, ps, dtype=dtype, seed=seed, device=DEV, quantize=quantize,
                        ring_format="fp8")
 
 
@@ -60,15 +86,16 @@ def _assert_same_rings(ref, got):
         torch.testing.assert_close(decode_rows(b), decode_rows(a), rtol=0.07, atol=1e-3)  # one e4m3 step: 2^-4
 
 
-def test_store_and_attention_match_reference_small():
-    # rows of different lengths with padding, prefill then decode steps read with and without the store's chunk, on
-    # every token in the ring. With INT2 pages behind it (an eviction into pages each step) this test passed in the
-    # interpreter and gave NaN on an H100 (2026-12-07): that cache is refused (test_fp8_ring_is_refused_...).
+@pytest.mark.parametrize("quantize", [False, True], ids=["every-token-in-the-ring", "int2-pages-behind-it"])
+def test_store_and_attention_match_reference_small(quantize):
+    # rows of different lengths with padding, a prefill longer than the window (INT2 caches evict FP8 rows into
+    # pages), decode steps read with and without the store's chunk. The INT2 case gave NaN on an H100 (2026-12-07)
+    # until the rows an FP8 read skips were zeroed (test_kernels_read_fp8_rows_and_zero_the_rows_they_skip)
     h, gqa, d, s, w, ps, dtype = 2, 2, 64, 3, 6, 4, torch.float32
     lengths, steps = (19, 7), 3
     gen = torch.Generator().manual_seed(1)
     b, t, max_len = len(lengths), max(lengths), max(lengths) + steps + 1
-    ref, got = _caches(h, d, b, max_len, s, w, ps, dtype, seed=2)
+    ref, got = _caches(h, d, b, max_len, s, w, ps, quantize, dtype, seed=2)
     assert got.layers[0].k_ring.dtype == torch.uint8
     pos = torch.stack([torch.where(torch.arange(t) < n, torch.arange(t), -1) for n in lengths]).to(DEV)
     k, v = (torch.randn(b, h, t, d, generator=gen).to(DEV, dtype) * 3 for _ in range(2))
@@ -96,11 +123,13 @@ def test_store_and_attention_match_reference_small():
     _assert_same_rings(ref, got)
 
 
-def test_prefill_over_a_gathered_fp8_prefix_small():
-    # a second chunk after a first: the fused prefill gathers the rows before the chunk (FP8 ring rows decoded)
+@pytest.mark.parametrize("quantize", [False, True], ids=["every-token-in-the-ring", "int2-pages-behind-it"])
+def test_prefill_over_a_gathered_fp8_prefix_small(quantize):
+    # a second chunk after a first: the fused prefill gathers the rows before the chunk (FP8 ring rows decoded, and
+    # INT2 pages where the cache quantizes)
     h, gqa, d, s = 1, 4, 64, 2
     gen = torch.Generator().manual_seed(3)
-    ref, got = _caches(h, d, 2, 64, s, 8, 4, torch.bfloat16, seed=4)
+    ref, got = _caches(h, d, 2, 64, s, 8, 4, quantize, torch.bfloat16, seed=4)
     for c0, c1 in ((0, 21), (21, 37)):
         pos = torch.arange(c0, c1, device=DEV)
         k, v = (torch.randn(2, h, c1 - c0, d, generator=gen).to(DEV, torch.bfloat16) for _ in range(2))
@@ -139,9 +168,7 @@ def test_fp8_ring_is_refused_where_the_kernels_do_not_take_it():
         PagedInt2KVCache(1, 1, 64, key_format="channel", page_size=16, ring_format="fp8")
     with pytest.raises(ValueError, match="ring_format must be one of"):
         PagedInt2KVCache(1, 1, 64, ring_format="int4")
-    with pytest.raises(ValueError, match="ring_format='fp8' needs quantize=False"):
-        PagedInt2KVCache(1, 1, 64, max_seq_len=32, ring_format="fp8")
-    c = PagedInt2KVCache(1, 1, 64, max_seq_len=32, quantize=False, ring_format="fp8")
+    c = PagedInt2KVCache(1, 1, 64, max_seq_len=32, ring_format="fp8")
     layer = c.layers[0]
     k = torch.randn(1, 1, 3, 64)
     args = list(c.store_args(0, k, k, torch.arange(3)))
