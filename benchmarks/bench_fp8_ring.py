@@ -6,7 +6,8 @@ at 64 x 8K: if all of it is their read, about 0.19 TB/s. This times that read al
 (a one-head companion of ``keep_heads_exact``, the step's own token as the chunk), in CUDA graphs with L2 flushed
 (``bench_decode.bench_graph``): per format and per forced split count / warps of the BF16-key launch. ``--load f16``
 swaps the attention's FP8 row decode for one in fp16 arithmetic (run it in its own process: Triton caches the
-kernel with its first decode).
+kernel with its first decode). ``--attention-from FILE`` times another revision of ``kernels/triton_attention.py``
+(e.g. ``git show REV:oscar_compile/kernels/triton_attention.py > build/attention_rev.py``, carried to the device).
 
     python benchmarks/bench_fp8_ring.py --shapes 64x8192,1x131072 --out benchmarks/results/bench_fp8_ring_h100.json
 """
@@ -28,10 +29,10 @@ from oscar_compile import PagedInt2KVCache
 from oscar_compile.kernels import triton_attention
 from oscar_compile.kernels.attention import attention_reference
 from oscar_compile.kernels.fp8_ring import encode_rows, fp8_row_bytes
-from oscar_compile.kernels.triton_attention import LAST_LAUNCH, attention_triton
 from oscar_compile.kernels.triton_store import store_triton
 from oscar_compile.testing import rel_error
 
+ATTENTION = triton_attention  # the module timed (--attention-from)
 GQA, D = 4, 128  # Llama-3-8B: 4 query heads a KV head, head_dim 128
 
 
@@ -43,6 +44,18 @@ def load_fp8_rows_f16(row_ptr, ok, D: tl.constexpr):
     scale = tl.load((row_ptr + D).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
     x = codes.to(tl.float8e4nv, bitcast=True).to(tl.float16) * scale.to(tl.float16)[:, None]
     return tl.where(ok[:, None], x, 0.0)
+
+
+def attention_from(path: str):
+    """``attention_triton`` of another revision of the module, imported inside the package (its relative imports)."""
+    import importlib.util
+    import sys
+
+    name = "oscar_compile.kernels._attention_rev"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # registered first: its dataclasses need it
+    spec.loader.exec_module(module)
+    return module
 
 
 def companion(b, length, fmt, device):
@@ -67,10 +80,10 @@ def bench(b, length, fmt, device, splits, warps):
     ck, cv = store_triton(*c.store_args(0, k1, v1, p1))
     q = torch.randn(b, GQA, 1, D, device=device, dtype=torch.bfloat16)
     args = c.attention_args(0, q, p1, p1[:, 0] + 1, chunk=(ck, cv, p1))
-    call = lambda: attention_triton(*args, bf16_splits=splits, bf16_warps=warps)  # noqa: E731
+    call = lambda: ATTENTION.attention_triton(*args, bf16_splits=splits, bf16_warps=warps)  # noqa: E731
     # the launch against the reference on this very cache (bf16 operands: 1e-2, as the Triton tests)
     err = rel_error(call(), attention_reference(*args))
-    plan = LAST_LAUNCH["plan"]
+    plan = ATTENTION.LAST_LAUNCH["plan"]
     us = bench_graph(call) if device == "cuda" else float("nan")
     row_bytes = fp8_row_bytes(D) if fmt == "fp8" else 2 * D
     nbytes = 2 * b * length * row_bytes + 2 * b * GQA * D * 2
@@ -84,11 +97,15 @@ def main():
     ap.add_argument("--splits", default="0,8,16,32", help="forced BF16-key splits a row (0: the launch's own)")
     ap.add_argument("--warps", default="0,8")
     ap.add_argument("--load", default="fp32", choices=["fp32", "f16"], help="the attention's FP8 row decode")
+    ap.add_argument("--attention-from", default=None, help="another revision of kernels/triton_attention.py")
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", help="cpu: a check of the script (TRITON_INTERPRET=1, tiny shapes)")
     args = ap.parse_args()
+    global ATTENTION
+    if args.attention_from:
+        ATTENTION = attention_from(args.attention_from)
     if args.load == "f16":
-        triton_attention.load_fp8_rows = load_fp8_rows_f16
+        ATTENTION.load_fp8_rows = load_fp8_rows_f16
     dev = args.device
     rows = []
     for shape in args.shapes.split(","):
@@ -113,6 +130,7 @@ def main():
                     r = dict(batch=b, context=length, ring=fmt, bf16_splits=splits, bf16_warps=warps,
                              error=f"{type(e).__name__}: {str(e)[:200]}")
                 r["load"] = args.load if fmt == "fp8" else None
+                r["attention"] = args.attention_from or "this revision"
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 if dev == "cuda":

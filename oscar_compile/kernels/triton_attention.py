@@ -370,6 +370,117 @@ def _online_softmax(s, m_i, l_i):
 
 
 @triton.jit
+def _key_visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len, m_first,
+                    m_last, m_holes, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_BOUNDS: tl.constexpr):
+    """:func:`_visibility` of the BF16-key launch's blocks, padding rows dropped. ``MASK_BOUNDS``: a row of one
+    interval ``[m_first, m_last]`` takes two compares a key and no mask byte (the byte loads are predicated off); a
+    row with holes (``m_holes``) a byte a key and row. Branch-free: a branch in the loop body can keep Triton from
+    pipelining the loads."""
+    if MASK_BOUNDS:
+        vis_i, _ = _visibility(j, key_ok & (j >= m_first) & (j <= m_last), row_t, row_pos, row_hq, b,
+                               mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len, IS_CAUSAL, 0)
+        vis_b, bias = _visibility(j, key_ok & m_holes, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h,
+                                  smk_t, smk_j, mask_len, IS_CAUSAL, MASK_KIND)
+        vis = tl.where(m_holes, vis_b, vis_i)
+    else:
+        vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
+                                mask_len, IS_CAUSAL, MASK_KIND)
+    return vis & (row_pos >= 0)[:, None], bias  # padding rows: their output is zero
+
+
+@triton.jit
+def _plain_key_block(qq, m_i, l_i, acc, kb, vb, key_ok, vis, bias, D: tl.constexpr, DT: tl.constexpr,
+                     ALIGNED: tl.constexpr):
+    """One block of 16-bit key and value rows (row starts ``kb``, ``vb``) into the streaming softmax."""
+    dcol = tl.arange(0, D)
+    if ALIGNED:
+        kb = tl.multiple_of(kb, 16)
+        vb = tl.multiple_of(vb, 16)
+    k = tl.load(kb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
+    v = tl.load(vb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
+    s = tl.where(vis, tl.dot(qq, tl.trans(k)) + bias, float("-inf"))
+    p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
+    return m_new, l_i, tl.dot(p.to(DT), v, acc * alpha[:, None])
+
+
+@triton.jit
+def _fp8_key_block(qq, m_i, l_i, acc, kp, vp, in_ring, vis, bias, D: tl.constexpr, DT: tl.constexpr):
+    """One block of FP8 ring rows (row starts ``kp``, ``vp``: ``D`` e4m3 codes, then an fp32 scale; fp8_ring.py) into
+    the streaming softmax, scales applied outside the dots: scores are ``(q . codes) * key scale``, and the values'
+    dot takes ``p * value scale / block max`` (in [0, 1], as p) with the block's largest value scale after it. The
+    codes enter the tensor cores as they are (e4m3 is exact in fp16 and bf16): no per-element product, no fp32 tile.
+    Rows not read (``~in_ring``) are zeroed by selects: on an H100 the loads' ``other`` left them non-finite in
+    registers (:func:`load_fp8_rows`)."""
+    dcol = tl.arange(0, D)
+    kp = tl.multiple_of(kp, 4)  # rows of d + 4 bytes start on 4 bytes: word loads
+    vp = tl.multiple_of(vp, 4)
+    kc = tl.load(kp[:, None] + dcol[None, :], mask=in_ring[:, None], other=0)
+    vc = tl.load(vp[:, None] + dcol[None, :], mask=in_ring[:, None], other=0)
+    ksc = tl.load((kp + D).to(tl.pointer_type(tl.float32)), mask=in_ring, other=0.0)
+    vsc = tl.where(in_ring, tl.load((vp + D).to(tl.pointer_type(tl.float32)), mask=in_ring, other=0.0), 0.0)
+    s = tl.dot(qq, tl.trans(kc.to(tl.float8e4nv, bitcast=True).to(DT))) * ksc[None, :]
+    s = tl.where(vis & in_ring[None, :], s + bias, float("-inf"))
+    p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
+    vmax = tl.max(vsc, 0)
+    vmax = tl.where(vmax > 0, vmax, 1.0)
+    w = (p * (vsc / vmax)[None, :]).to(DT)
+    v = tl.where(in_ring[:, None], vc, 0).to(tl.float8e4nv, bitcast=True).to(DT)
+    return m_new, l_i, acc * alpha[:, None] + tl.dot(w, v) * vmax
+
+
+@triton.jit
+def _fp8_ring_keys(qq, m_i, l_i, acc, u_lo, u_hi, n_sink, page_end, c0, c_end, b, h, ks_ptr, vs_ptr, kr_ptr, vr_ptr,
+                   kch_ptr, vch_ptr, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, sch_b, sch_t, sch_h, W, row_t, row_pos,
+                   row_hq, mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len, m_first, m_last, m_holes,
+                   BLOCK_N: tl.constexpr, D: tl.constexpr, DT: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   MASK_KIND: tl.constexpr, MASK_BOUNDS: tl.constexpr, CHUNK: tl.constexpr,
+                   SKIP_EMPTY: tl.constexpr, ALIGNED: tl.constexpr):
+    """The BF16-key launch's keys ``u`` in ``[u_lo, u_hi)`` of a cache whose ring is FP8: the sinks (``u < n_sink``,
+    16-bit rows), the ring's FP8 rows (key ``j = page_end + u - n_sink``), and, with ``CHUNK``, the chunk's keys
+    ``[c0, c_end)`` from the chunk (16-bit, exact: a decode step's own token) instead of the ring. Each in a loop of
+    its own, so no block loads both kinds of rows and selects between them."""
+    nblk = tl.arange(0, BLOCK_N)
+    sink_hi = tl.minimum(u_hi, n_sink)
+    for u0 in range(u_lo, sink_hi, BLOCK_N):
+        j = u0 + nblk
+        key_ok = j < sink_hi
+        vis, bias = _key_visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
+                                    mask_len, m_first, m_last, m_holes, IS_CAUSAL, MASK_KIND, MASK_BOUNDS)
+        row = b * ss_b + tl.where(key_ok, j, 0) * ss_t + h * ss_h
+        m_i, l_i, acc = _plain_key_block(qq, m_i, l_i, acc, ks_ptr + row, vs_ptr + row, key_ok, vis, bias, D, DT,
+                                         ALIGNED)
+    w1 = tl.maximum(W, 1)
+    for u0 in range(tl.maximum(u_lo, n_sink), u_hi, BLOCK_N):
+        u = u0 + nblk
+        key_ok = u < u_hi
+        j = page_end + (u - n_sink)
+        vis, bias = _key_visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
+                                    mask_len, m_first, m_last, m_holes, IS_CAUSAL, MASK_KIND, MASK_BOUNDS)
+        in_ring = key_ok
+        if CHUNK:
+            in_ring = in_ring & ((j < c0) | (j >= c_end))
+        run = True
+        if SKIP_EMPTY:
+            run = tl.max(tl.max((vis & in_ring[None, :]).to(tl.int32), 1), 0) > 0
+        if run:
+            row = b * sr_b + tl.where(in_ring, j % w1, 0) * sr_t + h * sr_h
+            m_i, l_i, acc = _fp8_key_block(qq, m_i, l_i, acc, kr_ptr + row, vr_ptr + row, in_ring, vis, bias, D, DT)
+    if CHUNK:  # the chunk's keys past the sinks, within this split: u of key j is n_sink + j - page_end
+        cu_lo = tl.maximum(u_lo, n_sink + tl.maximum(c0, page_end) - page_end)
+        cu_hi = tl.minimum(u_hi, n_sink + c_end - page_end)
+        for u0 in range(cu_lo, cu_hi, BLOCK_N):
+            u = u0 + nblk
+            key_ok = u < cu_hi
+            j = page_end + (u - n_sink)
+            vis, bias = _key_visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
+                                        mask_len, m_first, m_last, m_holes, IS_CAUSAL, MASK_KIND, MASK_BOUNDS)
+            row = b * sch_b + tl.where(key_ok, j - c0, 0) * sch_t + h * sch_h
+            m_i, l_i, acc = _plain_key_block(qq, m_i, l_i, acc, kch_ptr + row, vch_ptr + row, key_ok, vis, bias, D,
+                                             DT, ALIGNED)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _row_block(pid_bh, m_block, pos_ptr, sp_b, len_ptr, sl_b, c0_ptr, cend_ptr, M_TOTAL, H: tl.constexpr,
                G: tl.constexpr, BLOCK_M: tl.constexpr, HAS_CHUNK: tl.constexpr):
     """Query rows ``r`` of block ``m_block`` of (sequence row ``b``, KV head ``h``): their token, query head and
@@ -548,71 +659,60 @@ def _attn_kernel(
         if IS_CAUSAL:  # keys past the block's newest query position are never visible: stop there
             j_max = tl.max(tl.where(row_ok, row_pos, -1), 0)
             u_hi = tl.minimum(u_hi, tl.where(j_max < n_sink, j_max + 1, n_sink + tl.maximum(j_max + 1 - page_end, 0)))
+        m_first = 0
+        m_last = 0
+        m_holes = nblk < 0
         if MASK_BOUNDS:  # a bool row every head shares, with its (first, last, one interval) bounds (decode)
             m_first = tl.load(mb_ptr + b * smb_b)
             m_last = tl.load(mb_ptr + b * smb_b + 1)
             m_holes = (nblk * 0 + tl.load(mb_ptr + b * smb_b + 2)) == 0  # a vector: `vector & scalar bool` fails
             # in Triton 3.9's interpreter
-        for u0 in range(u_lo, u_hi, BLOCK_N):
-            u = u0 + nblk
-            key_ok = u < u_hi
-            j = tl.where(u < n_sink, u, page_end + (u - n_sink))
-            if MASK_BOUNDS:
-                # A row of one interval: two compares a key, no mask byte loaded (the byte loads are predicated
-                # off); a row with holes: a byte a key and row. Branch-free: a branch in the loop body can keep
-                # Triton from pipelining the loads (SKIP_EMPTY above).
-                vis_i, _ = _visibility(j, key_ok & (j >= m_first) & (j <= m_last), row_t, row_pos, row_hq, b,
-                                       mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len, IS_CAUSAL, 0)
-                vis_b, bias = _visibility(j, key_ok & m_holes, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h,
-                                          smk_t, smk_j, mask_len, IS_CAUSAL, MASK_KIND)
-                vis = tl.where(m_holes, vis_b, vis_i)
-            else:
-                vis, bias = _visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t, smk_j,
-                                        mask_len, IS_CAUSAL, MASK_KIND)
-            vis = vis & (row_pos >= 0)[:, None]  # padding rows (their output is zero)
-            # A block no row sees (the upper triangle of a masked prefill, padding) costs no loads or dots. A decode
-            # step sees every block (SKIP_EMPTY off): without the branch the loads can be pipelined across blocks.
-            run = True
-            if SKIP_EMPTY:
-                run = tl.max(tl.max(vis.to(tl.int32), 1), 0) > 0
-            if run:
-                in_sink = key_ok & (j < S)
-                in_chunk = key_ok & ~in_sink & (j >= c0) & (j < c_end)
-                in_ring = key_ok & ~in_sink & ~in_chunk
-                if HAS_RING:
-                    ring_slot = tl.where(in_ring, j % tl.maximum(W, 1), 0)
-                else:
-                    ring_slot = j * 0
-                row_s = b * ss_b + tl.where(in_sink, j, 0) * ss_t + h * ss_h
-                row_r = b * sr_b + ring_slot * sr_t + h * sr_h
-                if RING_FP8:  # the ring is read apart (other element type): these pointers take sinks and chunk
-                    kb = ks_ptr + row_s
-                    vb = vs_ptr + row_s
-                else:
+        if RING_FP8:  # sinks, FP8 ring rows and the chunk in loops of their own (_fp8_ring_keys)
+            m_i, l_i, acc = _fp8_ring_keys(
+                qq, m_i, l_i, acc, u_lo, u_hi, n_sink, page_end, c0, c_end, b, h, ks_ptr, vs_ptr, kr_ptr, vr_ptr,
+                kch_ptr, vch_ptr, ss_b, ss_t, ss_h, sr_b, sr_t, sr_h, sch_b, sch_t, sch_h, W, row_t, row_pos, row_hq,
+                mask_ptr, smk_b, smk_h, smk_t, smk_j, mask_len, m_first, m_last, m_holes, BLOCK_N, D, DT, IS_CAUSAL,
+                MASK_KIND, MASK_BOUNDS, HAS_CHUNK and not DENSE_CHUNK, SKIP_EMPTY, ALIGNED)
+        else:
+            for u0 in range(u_lo, u_hi, BLOCK_N):
+                u = u0 + nblk
+                key_ok = u < u_hi
+                j = tl.where(u < n_sink, u, page_end + (u - n_sink))
+                vis, bias = _key_visibility(j, key_ok, row_t, row_pos, row_hq, b, mask_ptr, smk_b, smk_h, smk_t,
+                                            smk_j, mask_len, m_first, m_last, m_holes, IS_CAUSAL, MASK_KIND,
+                                            MASK_BOUNDS)
+                # A block no row sees (the upper triangle of a masked prefill, padding) costs no loads or dots. A
+                # decode step sees every block (SKIP_EMPTY off): without the branch the loads can be pipelined.
+                run = True
+                if SKIP_EMPTY:
+                    run = tl.max(tl.max(vis.to(tl.int32), 1), 0) > 0
+                if run:
+                    in_sink = key_ok & (j < S)
+                    in_chunk = key_ok & ~in_sink & (j >= c0) & (j < c_end)
+                    in_ring = key_ok & ~in_sink & ~in_chunk
+                    if HAS_RING:
+                        ring_slot = tl.where(in_ring, j % tl.maximum(W, 1), 0)
+                    else:
+                        ring_slot = j * 0
+                    row_s = b * ss_b + tl.where(in_sink, j, 0) * ss_t + h * ss_h
+                    row_r = b * sr_b + ring_slot * sr_t + h * sr_h
                     kb = tl.where(in_sink, ks_ptr + row_s, kr_ptr + row_r)
                     vb = tl.where(in_sink, vs_ptr + row_s, vr_ptr + row_r)
-                if HAS_CHUNK:
-                    row_c = b * sch_b + tl.where(in_chunk, j - c0, 0) * sch_t + h * sch_h
-                    kb = tl.where(in_chunk, kch_ptr + row_c, kb)
-                    vb = tl.where(in_chunk, vch_ptr + row_c, vb)
-                if ALIGNED:  # rows start on 16 bytes (all three buffers): vector loads despite the select
-                    kb = tl.multiple_of(kb, 16)
-                    vb = tl.multiple_of(vb, 16)
-                # values are issued with the keys, not after the softmax (no change measured on the H200 at 64 x 4K:
-                # the compiler had already hoisted the load)
-                if RING_FP8:  # the ring's rows are FP8 with a scale each (fp8_ring.py): loaded apart, then selected
-                    plain = key_ok & ~in_ring
-                    k = tl.load(kb[:, None] + dcol[None, :], mask=plain[:, None], other=0.0).to(tl.float32)
-                    v = tl.load(vb[:, None] + dcol[None, :], mask=plain[:, None], other=0.0).to(tl.float32)
-                    k = tl.where(in_ring[:, None], load_fp8_rows(kr_ptr + row_r, in_ring, D), k).to(DT)
-                    v = tl.where(in_ring[:, None], load_fp8_rows(vr_ptr + row_r, in_ring, D), v).to(DT)
-                else:
+                    if HAS_CHUNK:
+                        row_c = b * sch_b + tl.where(in_chunk, j - c0, 0) * sch_t + h * sch_h
+                        kb = tl.where(in_chunk, kch_ptr + row_c, kb)
+                        vb = tl.where(in_chunk, vch_ptr + row_c, vb)
+                    if ALIGNED:  # rows start on 16 bytes (all three buffers): vector loads despite the select
+                        kb = tl.multiple_of(kb, 16)
+                        vb = tl.multiple_of(vb, 16)
+                    # values are issued with the keys, not after the softmax (no change measured on the H200 at
+                    # 64 x 4K: the compiler had already hoisted the load)
                     k = tl.load(kb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
                     v = tl.load(vb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
-                s = tl.where(vis, tl.dot(qq, tl.trans(k)) + bias, float("-inf"))
-                p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
-                acc = tl.dot(p.to(DT), v, acc * alpha[:, None])
-                m_i = m_new
+                    s = tl.where(vis, tl.dot(qq, tl.trans(k)) + bias, float("-inf"))
+                    p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
+                    acc = tl.dot(p.to(DT), v, acc * alpha[:, None])
+                    m_i = m_new
     _store_state(part_m_ptr, part_l_ptr, part_o_ptr, (pid_bh * M_TOTAL + r) * NS + split, row_ok, m_i, l_i, acc,
                  uperm, D)
 

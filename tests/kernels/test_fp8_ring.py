@@ -123,6 +123,40 @@ def test_store_and_attention_match_reference_small(quantize):
     _assert_same_rings(ref, got)
 
 
+@pytest.mark.parametrize("mask", ["none", "bool", "additive"])
+def test_decode_over_many_fp8_blocks_in_splits_with_masks_small(mask):
+    # A retrieval head's cache (every token in the FP8 ring) over several key blocks of the BF16-key launch (64 keys)
+    # split three ways: rows of different lengths, value rows whose scales differ by 10^4 (the launch scales values
+    # by their block's largest), a bool mask with a hole or an additive one, the step's token from the chunk.
+    h, gqa, d, s = 1, 4, 64, 4
+    gen = torch.Generator().manual_seed(6)
+    lengths = (150, 67, 131)
+    b, max_len = len(lengths), max(lengths) + 2
+    ref, got = _caches(h, d, b, max_len, s, 8, 16, False, torch.bfloat16, seed=7)
+    t = max(lengths)
+    pos = torch.stack([torch.where(torch.arange(t) < n, torch.arange(t), -1) for n in lengths]).to(DEV)
+    k = torch.randn(b, h, t, d, generator=gen)
+    v = torch.randn(b, h, t, d, generator=gen) * 10 ** (4 * torch.rand(b, h, t, 1, generator=gen) - 3)
+    for c in (ref, got):
+        store_reference(*c.store_args(0, k.to(DEV, torch.bfloat16), v.to(DEV, torch.bfloat16), pos))
+    p1 = torch.tensor(lengths, device=DEV)[:, None]
+    k1, v1 = (torch.randn(b, h, 1, d, generator=gen).to(DEV, torch.bfloat16) for _ in range(2))
+    ck1, cv1 = store_reference(*got.store_args(0, k1, v1, p1))
+    q1 = torch.randn(b, h * gqa, 1, d, generator=gen).to(DEV, torch.bfloat16)
+    attn_mask = None
+    if mask != "none":
+        seen = torch.arange(max_len, device=DEV)[None, :] <= p1  # causal and each row's length
+        seen[0, 70:90] = False  # a hole in row 0, across a block boundary
+        attn_mask = seen[:, None, None, :]
+        if mask == "additive":
+            attn_mask = torch.where(seen, torch.rand(seen.shape, generator=gen).to(DEV) - 0.5, float("-inf"))
+            attn_mask = attn_mask[:, None, None, :].to(torch.bfloat16)
+    a = got.attention_args(0, q1, p1, p1[:, 0] + 1, attn_mask, chunk=(ck1, cv1, p1))
+    out = attention_triton(*a, bf16_splits=3)
+    assert LAST_LAUNCH["plan"].nb == 3
+    assert rel_error(out, attention_reference(*a)) < ATTN_TOL
+
+
 @pytest.mark.parametrize("quantize", [False, True], ids=["every-token-in-the-ring", "int2-pages-behind-it"])
 def test_prefill_over_a_gathered_fp8_prefix_small(quantize):
     # a second chunk after a first: the fused prefill gathers the rows before the chunk (FP8 ring rows decoded, and
