@@ -4,7 +4,8 @@ BF16 rows against BF16 SDPA, and the launch's knobs for the FP8 read.
 At full depth (H100, 2026-12-07) Llama-3-8B's FP8 heads (KV head 0 of every other layer) cost 11.8 ms a decode step
 at 64 x 8K: if all of it is their read, about 0.19 TB/s. This times that read alone, the way the backend calls it
 (a one-head companion of ``keep_heads_exact``, the step's own token as the chunk), in CUDA graphs with L2 flushed
-(``bench_decode.bench_graph``): per format and per forced split count / warps of the BF16-key launch. ``--load f16``
+(``bench_decode.bench_graph``): per format and per forced split count / warps of the BF16-key launch; and the INT2 side of such a layer (7 KV
+heads) against a whole INT2 layer (8), per head. ``--load f16``
 swaps the attention's FP8 row decode for one in fp16 arithmetic (run it in its own process: Triton caches the
 kernel with its first decode). ``--attention-from FILE`` times another revision of ``kernels/triton_attention.py``
 (e.g. ``git show REV:oscar_compile/kernels/triton_attention.py > build/attention_rev.py``, carried to the device).
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from bench_decode import COPY_TBPS, bench_bf16_backends, bench_graph
+from bench_decode import COPY_TBPS, bench_bf16_backends, bench_graph, fill_random_int2
 from oscar_compile import PagedInt2KVCache
 from oscar_compile.kernels import triton_attention
 from oscar_compile.kernels.attention import attention_reference
@@ -73,6 +74,34 @@ def companion(b, length, fmt, device):
     return c
 
 
+def int2_layer(b, length, heads, device):
+    """A layer's INT2 cache as the backend makes it by default (per-channel keys in pages of 32), random contents:
+    with exact heads it holds 7 of Llama-3-8B's 8 KV heads."""
+    from oscar_compile import LayerTransforms
+    from oscar_compile.testing import random_orthogonal
+
+    c = PagedInt2KVCache(1, heads, D, max_batch_size=b, max_seq_len=length + 8, num_sinks=64, window=256,
+                         page_size=32, key_format="channel", identity_block_table=True, dtype=torch.bfloat16,
+                         device=device)
+    fill_random_int2(c)
+    rot = random_orthogonal(heads, D, torch.Generator().manual_seed(0))
+    c.set_transforms(0, LayerTransforms.from_matrices(rot, rot))
+    return c
+
+
+def bench_int2(b, length, heads, device):
+    """A decode step's INT2 attention over ``heads`` KV heads (the INT2 side of an exact-heads layer at 7)."""
+    c = int2_layer(b, length, heads, device)
+    p1 = torch.full((b, 1), length - 1, device=device)
+    q = torch.randn(b, heads * GQA, 1, D, device=device, dtype=torch.bfloat16)
+    args = c.attention_args(0, q, p1, p1[:, 0] + 1)
+    call = lambda: ATTENTION.attention_triton(*args)  # noqa: E731
+    err = rel_error(call(), attention_reference(*args))
+    us = bench_graph(call) if device == "cuda" else float("nan")
+    return dict(batch=b, context=length, ring=f"INT2 layer, {heads} KV heads", rel_error=float(err), us=us,
+                us_per_head=us / heads, page_kernel=ATTENTION.LAST_LAUNCH["plan"].page_kernel)
+
+
 def bench(b, length, fmt, device, splits, warps):
     c = companion(b, length, fmt, device)
     p1 = torch.full((b, 1), length - 1, device=device)
@@ -119,6 +148,10 @@ def main():
             nbytes = 2 * b * length * D * 2 + 2 * b * GQA * D * 2
             rows.append(dict(batch=b, context=length, ring=f"BF16 SDPA ({best[1]})", us=best[0], bytes=nbytes,
                              tbps=nbytes / best[0] / 1e6, roofline=nbytes / best[0] / 1e6 / COPY_TBPS, sdpa=sdpa))
+            print(json.dumps(rows[-1]), flush=True)
+        for heads in (8, 7):  # the INT2 side of a layer with and without a retrieval head taken out
+            rows.append(bench_int2(b, length, heads, dev))
+            rows[-1]["attention"] = args.attention_from or "this revision"
             print(json.dumps(rows[-1]), flush=True)
         for fmt in ("bf16", "fp8"):
             grid = [(0, 0)] if fmt == "bf16" else itertools.product(

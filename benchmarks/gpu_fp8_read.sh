@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The next GPU call for the FP8 heads' read (README, "FP8 retrieval heads, the storage"): bench_fp8_ring.py on this
+# revision (FP8 rows in loops of their own, scales outside the dots) and on 65dba96 (the revision the full-depth
+# e2e rows were timed with), same machine, then the f16-decode variant of the old one. Make and carry the old file:
+#   git show 65dba96:oscar_compile/kernels/triton_attention.py > build/attention_65dba96.py
+#   bash benchmarks/gpu_fp8_read.sh          (carry build/attention_65dba96.py; ~3 minutes; results under $OUT)
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmarks/results}
+nvidia-smi --query-gpu=name --format=csv,noheader
+[ -f build/attention_65dba96.py ] || { echo "build/attention_65dba96.py missing (see the top of this script)"; exit 1; }
+echo "=== this revision"
+timeout 240 python3 benchmarks/bench_fp8_ring.py --shapes 64x8192,1x131072 --out "$OUT/bench_fp8_ring_h100.json" 2>&1 \
+  | grep -v Warning
+echo "=== 65dba96"
+timeout 180 python3 benchmarks/bench_fp8_ring.py --shapes 64x8192,1x131072 --splits 0,16 --warps 0 \
+  --attention-from build/attention_65dba96.py --out "$OUT/bench_fp8_ring_65dba96_h100.json" 2>&1 | grep -v Warning
+echo "=== 65dba96, fp16 decode of the FP8 rows"
+timeout 120 python3 benchmarks/bench_fp8_ring.py --shapes 64x8192 --splits 0 --warps 0 --load f16 \
+  --attention-from build/attention_65dba96.py 2>&1 | grep -v Warning | grep fp8
