@@ -163,6 +163,11 @@ class BackendOptions:
     # default (one BF16 head) +0.47%, for 4.43, 5.28 and 4.66 bits; answer NLL -0.045 nats over 32 prompts (README).
     # Not yet run on a GPU (2026-12-06: no device started).
     exact_format: str = "bf16"
+    # How INT2 layers hold their newest tokens (the ring: the window, and with per-channel keys the page being filled)
+    # after the sinks: "bf16" (the cache dtype), or "fp8" as exact_format's. Sliding-window layers keep theirs in the
+    # cache dtype. Added 2026-12-07: tested against the reference in the interpreter, not yet run on a GPU or
+    # measured for accuracy; the default stays "bf16".
+    ring_format: str = "bf16"
 
 
 DEFAULT_PAGE_SIZE = {"channel": 32, "token": 16}  # tokens a page, by key format (BackendOptions.page_size=None)
@@ -291,6 +296,9 @@ class OscarBackend:
         if self.options.exact_format not in RING_FORMATS:
             raise ValueError(f"oscar_backend: exact_format must be one of {RING_FORMATS} (how retrieval heads hold "
                              f"their tokens), got {self.options.exact_format!r}")
+        if self.options.ring_format not in RING_FORMATS:
+            raise ValueError(f"oscar_backend: ring_format must be one of {RING_FORMATS} (how INT2 layers hold their "
+                             f"newest tokens), got {self.options.ring_format!r}")
         self.artifacts = artifacts
         if self.options.sliding_windows is None and artifacts is not None and artifacts.sliding_windows:
             self.options.sliding_windows = artifacts.sliding_windows  # recorded at calibration
@@ -493,7 +501,9 @@ class OscarBackend:
                 quantize=quantize, sliding_window=sliding, max_chunk=o.max_chunk,
                 key_format=o.layer_key_formats.get(layer, o.key_format) if key[0] == "layer" else o.key_format,
                 score_debias=o.score_debias, dtype=dtype,
-                meta_dtype=o.meta_dtype, device=device, ring_format=o.exact_format if whole_layer_exact else "bf16",
+                meta_dtype=o.meta_dtype, device=device,
+                ring_format=o.exact_format if whole_layer_exact else o.ring_format if quantize and sliding is None
+                else "bf16",
             )
             tr = self._transforms(layer, m.num_kv_heads, m.head_dim)
             if key[0] == "layer" and layer in o.key_page_clips:

@@ -271,9 +271,10 @@ class PagedInt2KVCache:
             the attention. 0 (default) reads the scores as they are.
         dtype: dtype of sinks and ring; meta_dtype: dtype of scales and minimums.
         ring_format: ``"bf16"`` (the ring in ``dtype``) or ``"fp8"``: the ring's rows in FP8 e4m3 with an fp32 scale
-            each (``8 + 32 / head_dim`` bits an element, :mod:`.kernels.fp8_ring`); sinks stay in ``dtype``. Only
-            for a cache that quantizes nothing (``quantize=False``, per-token keys, no sliding window): the backend
-            gives it to retrieval heads, whose ring keeps every token.
+            each (``8 + 32 / head_dim`` bits an element, :mod:`.kernels.fp8_ring`); sinks stay in ``dtype``. Not with
+            a sliding window. The backend gives it to retrieval heads (``exact_format``: a cache that quantizes
+            nothing, every token in its ring) and, with ``ring_format="fp8"``, to INT2 layers, whose pages then
+            quantize the FP8 rows they evict.
     """
 
     def __init__(
@@ -328,9 +329,9 @@ class PagedInt2KVCache:
             window = max(window, max_seq_len)  # every token stays in the BF16 ring: nothing is evicted
         if ring_format not in RING_FORMATS:
             raise ValueError(f"oscar: ring_format must be one of {RING_FORMATS}, got {ring_format!r}")
-        if ring_format == "fp8" and (sliding_window is not None or self.key_format == "channel"):
-            raise ValueError("oscar: ring_format='fp8' needs per-token keys and no sliding window (the ring of a cache "
-                             "that quantizes nothing, or per-token INT2 pages)")
+        if ring_format == "fp8" and sliding_window is not None:
+            raise ValueError("oscar: ring_format='fp8' needs a cache without a sliding window (its ring is in the "
+                             "cache dtype)")
         self.ring_format = ring_format
         if not 0.0 <= float(score_debias) <= 4.0:
             raise ValueError(f"oscar: score_debias must be in [0, 4] (1 removes the expected INT2 score noise), got {score_debias}")

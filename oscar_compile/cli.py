@@ -261,7 +261,8 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
     in BF16 (the backend's exact_heads="auto", the default since 2026-12-06; the baselines keep every head INT2
     unless tagged so); "method:xh0.125": the retrieval heads re-chosen from the artifact's induction scores at that
     share of the KV heads (exact_heads=0.125); "method:noxh": every head INT2 (exact_heads=None); "method:x8": the
-    retrieval heads' tokens in FP8 with a scale each instead of BF16 (exact_format="fp8");
+    retrieval heads' tokens in FP8 with a scale each instead of BF16 (exact_format="fp8"); "method:r8": the INT2
+    layers' newest tokens (the ring) in FP8 (ring_format="fp8");
     "method:d" ("method:d0.5"): INT2 scores debiased by 1 (0.5) times half their rounding noise's variance (the
     backend's score_debias). The key-format, range and debias tags come back as each method's backend options."""
     from .backend import DEFAULT_PAGE_SIZE
@@ -274,7 +275,8 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
              "long-context check chose, ':kr' per channel over the check's narrowed page ranges (the default), ':kf' "
              "over full page ranges, ':fb' rounds per-channel keys with error feedback (the default's where the artifact "
              "has its factors), ':nofb' plainly, ':xh' keeps the retrieval heads in BF16 (the default; ':xh<share>' "
-             "re-chooses them at that share of the KV heads, e.g. xh0.125), ':noxh' none, ':x8' stores them in FP8, and ':d' "
+             "re-chooses them at that share of the KV heads, e.g. xh0.125), ':noxh' none, ':x8' stores them in FP8, ':r8' the INT2 layers' rings in FP8, and "
+             "':d' "
              "(':d<c>', c in (0, 4]) debiases INT2 scores (an oscar method only, e.g. default:L0:p2048:g32.7:c32:d)")
     for n in names:
         head, *tags = n.split(":")
@@ -293,9 +295,12 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         # retrieval heads in BF16 (exact_heads), at the artifact's share or another ("xh0.125"), or none
         exact_tags = [t for t in tags if t in ("xh", "noxh") or _tag_value(t, "xh", 1.0) is not None]
         fp8_tags = [t for t in tags if t == "x8"]  # the retrieval heads' tokens in FP8 (exact_format)
+        ring_tags = [t for t in tags if t == "r8"]  # the INT2 layers' rings in FP8 (ring_format)
         read_options[n] = {}
         if fp8_tags:
             read_options[n]["exact_format"] = "fp8"
+        if ring_tags:
+            read_options[n]["ring_format"] = "fp8"
         if exact_tags:
             t = exact_tags[0]
             read_options[n]["exact_heads"] = "auto" if t == "xh" else None if t == "noxh" else _tag_value(t, "xh", 1.0)
@@ -316,9 +321,11 @@ def _method_specs(names: list[str], calib_seq_len: int, calib_positions: str):
         if debias_tags:
             read_options[n]["score_debias"] = _tag_value(debias_tags[0], "d", 4.0, bare=1.0)
         if (len(layer_tags) + len(position_tags) + len(group_tags) + len(channel_tags) + len(debias_tags)
-                + len(auto_tags) + len(range_tags) + len(feedback_tags) + len(exact_tags) + len(fp8_tags) != len(tags)
+                + len(auto_tags) + len(range_tags) + len(feedback_tags) + len(exact_tags) + len(fp8_tags)
+                + len(ring_tags) != len(tags)
                 or len(position_tags) > 1 or len(channel_tags) > 1 or len(debias_tags) > 1 or len(auto_tags) > 1
                 or len(range_tags) > 1 or len(feedback_tags) > 1 or len(exact_tags) > 1 or len(fp8_tags) > 1
+                or len(ring_tags) > 1
                 or ((auto_tags or range_tags or feedback_tags == ["fb"]) and channel_tags == ["t"])
                 or (tags and base[n] in ("bf16", "kivi"))):
             raise SystemExit(f"oscar eval: --methods {','.join(names)}: in {n!r}, {usage}")

@@ -60,9 +60,12 @@ def bits_per_element(model_config, method: Method, context: int, num_sinks: int,
     key_format = method.options.get("key_format", BackendOptions.key_format)  # the backend's layout
     page_size = resolve_page_size(key_format, method.options.get("page_size"))
 
+    ring_format = method.options.get("ring_format", BackendOptions.ring_format)  # the INT2 layers' newest tokens
+
     def int2_bits(group_size, fmt=key_format):
         cache = PagedInt2KVCache(1, heads, d, max_seq_len=1, num_sinks=num_sinks, window=window, group_size=group_size,
-                                 dtype=cache_dtype, device="meta", key_format=fmt, page_size=page_size)
+                                 dtype=cache_dtype, device="meta", key_format=fmt, page_size=page_size,
+                                 ring_format=ring_format)
         return cache.memory_report(context).bits_per_element
 
     full = fp_bits if method.kind == "bf16" else int2_bits(method.options.get("group_size"))

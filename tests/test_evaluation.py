@@ -189,6 +189,11 @@ def test_bits_and_report(tmp_path):
     one_fp8 = bits_per_element(model.config, Method("x", options=fp8), 1 << 17, 64, 256)
     head_fp8 = (64 * 16 + ((1 << 17) - 64) * 10) / (1 << 17)
     assert math.isclose(one_fp8, (int2 * (layers - 1) + (int2 + head_fp8) / 2) / layers) and one_fp8 < one_head
+    # the INT2 layers' rings in FP8 (ring_format="fp8"): the window's 256 tokens (per-token keys: the ring is the
+    # window) in 8 + 32/16 bits instead of 16, the 64 sinks still 16; at 4K, where they are 8% of the tokens
+    ring8 = bits_per_element(model.config, Method("x", options={"ring_format": "fp8", **tok}), 4096, 64, 256)
+    ring16 = bits_per_element(model.config, Method("x", options=tok), 4096, 64, 256)
+    assert math.isclose(ring16 - ring8, 256 * (16 - 10) / 4096)
     # a layer with its own group size (layer_group_sizes) counts its own metadata: groups of 4 at head_dim 16 carry
     # 2 x 16 bits per 4 elements, 6 bits more an element than one group a row... unless it is also kept in BF16
     regrouped = bits_per_element(model.config, Method("x", options={"layer_group_sizes": {1: 4}, **tok}), 1 << 17, 64,
@@ -326,9 +331,9 @@ def test_method_specs_read_sequence_layers_and_positions_per_method():
                      "oscar:xh": {"exact_heads": "auto", "key_feedback": False}}
     # ':xh<share>': the retrieval heads re-chosen at that share of the KV heads; a share outside (0, 1] is refused
     assert _method_specs(["default:xh0.125"], 512, "auto")[-1] == {"default:xh0.125": {"exact_heads": 0.125}}
-    # ':x8': the retrieval heads' tokens in FP8
-    assert _method_specs(["default:xh0.125:x8"], 512, "auto")[-1] == {
-        "default:xh0.125:x8": {"exact_heads": 0.125, "exact_format": "fp8"}}
+    # ':x8': the retrieval heads' tokens in FP8; ':r8': the INT2 layers' rings in FP8
+    assert _method_specs(["default:xh0.125:x8", "default:r8"], 512, "auto")[-1] == {
+        "default:xh0.125:x8": {"exact_heads": 0.125, "exact_format": "fp8"}, "default:r8": {"ring_format": "fp8"}}
     for bad in ("default:xh2", "default:xh0", "default:xh:noxh"):
         with pytest.raises(SystemExit, match="xh"):
             _method_specs([bad], 512, "auto")
@@ -343,7 +348,7 @@ def test_method_specs_read_sequence_layers_and_positions_per_method():
     for bad in ("default:p1:p2", "default:x3", "bf16:p0", "default@x", "default:g32", "default:g0.1", "default:gx.1",
                 "bf16:g32.1", "default:c1", "default:c32:c64", "default:t:c32", "default:t:t", "kivi:t", "kivi:c32", "default:ka:t", "default:ka:ka", "default:kr:kr", "default:kr:t", "bf16:kr",
                 "default:kr:kf", "default:kf:t", "kivi:kf", "default:fb:fb", "default:fb:t", "bf16:fb",
-                "default:fb:nofb", "kivi:nofb", "default:x8:x8", "bf16:x8",
+                "default:fb:nofb", "kivi:nofb", "default:x8:x8", "bf16:x8", "default:r8:r8", "bf16:r8", "default:r16",
                 "default:cx", "default:d5", "default:d:d", "bf16:d", "default:dx"):
         with pytest.raises(SystemExit):
             _method_specs([bad], 512, "auto")

@@ -138,9 +138,9 @@ def check_cache(k_codes, k_meta, v_codes, v_meta, k_sink, v_sink, k_ring, v_ring
         _fail("a cache without pages (block table of width 0) needs a ring: it would keep nothing but its sinks")
     if block_table.shape[0] != k_sink.shape[0]:
         _fail(f"block_table has {block_table.shape[0]} rows but the sink/ring buffers have {k_sink.shape[0]}")
-    if ring_fp8 and (block_table.shape[1] == 0 or key_channel):
-        _fail("an FP8 ring needs INT2 pages with per-token keys (the storage of retrieval heads: a cache that "
-              "quantizes nothing); a sliding-window or per-channel-key cache keeps its ring in the cache dtype")
+    if ring_fp8 and block_table.shape[1] == 0:
+        _fail("an FP8 ring needs INT2 pages (or a cache that quantizes nothing): a sliding-window cache keeps its ring "
+              "in the cache dtype")
     return CacheGeometry(
         num_pages=num_pages,
         page_size=page_size,

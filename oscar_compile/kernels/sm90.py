@@ -132,23 +132,26 @@ def compile_store(d=128, ng=1, clip=True, frag=True, chunk_only=False, ring_fp8=
                         num_warps=8 if d >= 256 else 4, num_stages=3)
 
 
-def compile_store_pages(d=128, ps=32, clip=True, tmap=True, feedback=False):
+def compile_store_pages(d=128, ps=32, clip=True, tmap=True, feedback=False, ring_fp8=False):
     """Per-channel keys: the page flush (a chunk, or a decode step without the chunk map) and the ring write that
     follow the store's chunk launch. ``clip``: values clipped and keys' page ranges narrowed (key_page_clip).
     ``feedback``: keys rounded with error feedback (key_feedback)."""
     from .triton_store import _flush_pages_kernel
 
-    const = dict(PS=ps, D=d, NG=1, V_CLIP=clip, FRAG=True, HAS_TMAP=tmap, K_RANGE=clip, FEEDBACK=feedback)
+    const = dict(PS=ps, D=d, NG=1, V_CLIP=clip, FRAG=True, HAS_TMAP=tmap, K_RANGE=clip, FEEDBACK=feedback,
+                 RING_FP8=ring_fp8)
     if not feedback:
         const["fb_ptr"] = None  # as the launch passes it
-    return compile_sm90(_flush_pages_kernel, const, dict(STORE_POINTERS, fb_ptr="*fp32"),
+    return compile_sm90(_flush_pages_kernel, const,
+                        dict(STORE_POINTERS, fb_ptr="*fp32", **(FP8_RING_POINTERS if ring_fp8 else {})),
                         num_warps=8 if d * ps >= 8192 else 4)
 
 
-def compile_store_ring(d=128, ps=32):
+def compile_store_ring(d=128, ps=32, ring_fp8=False):
     from .triton_store import _ring_kernel
 
-    return compile_sm90(_ring_kernel, dict(PS=ps, BLOCK_T=16, D=d), STORE_POINTERS, num_warps=4)
+    return compile_sm90(_ring_kernel, dict(PS=ps, BLOCK_T=16, D=d, RING_FP8=ring_fp8),
+                        dict(STORE_POINTERS, **(FP8_RING_POINTERS if ring_fp8 else {})), num_warps=4)
 
 
 def compile_gluon_decode(d=128, g=4, mask_kind=1, causal=True, num_warps=None, tiles=None, subnormal=True,
@@ -202,6 +205,12 @@ def launch_variants(d: int) -> dict:
         f"store pages of a decode step, per-channel keys d={d}": lambda: compile_store_pages(d=d, tmap=False),
         f"store pages with error feedback, per-channel keys d={d}": lambda: compile_store_pages(d=d, feedback=True),
         f"store ring, per-channel keys d={d}": lambda: compile_store_ring(d=d),
+        # per-channel keys with the ring in FP8 (ring_format="fp8")
+        f"store pages, per-channel keys, FP8 ring d={d}": lambda: compile_store_pages(d=d, ring_fp8=True),
+        f"store ring, per-channel keys, FP8 ring d={d}": lambda: compile_store_ring(d=d, ring_fp8=True),
+        f"decode bf16 keys, per-channel keys, FP8 ring d={d}": lambda: compile_attention(
+            d=d, block_m=16, block_n=64, region=1, kch=True, ps=32, ring_fp8=True),
+        f"prefill gather, per-channel keys, FP8 ring d={d}": lambda: compile_gather(d=d, kch=True, ring_fp8=True),
         f"gluon decode d={d}": lambda: compile_gluon_decode(d=d),
         **({"gluon decode d=128, no mask, G=8": lambda: compile_gluon_decode(d=128, g=8, mask_kind=0, causal=False),
             "gluon decode d=128, 2 tiles": lambda: compile_gluon_decode(d=128, tiles=2),

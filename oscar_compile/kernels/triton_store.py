@@ -330,12 +330,16 @@ def _flush_side(out_ptr, so_b, so_t, so_h, ring_ptr, sr_b, sr_t, sr_h, codes_ptr
                 b, h, t, from_ring, q, j, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h, clip_lo, clip_frac, W, MAX_PAGES,
                 NUM_PAGES, PS: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, HAS_CLIP: tl.constexpr,
                 FRAG: tl.constexpr, KIND: tl.constexpr, CHANNEL: tl.constexpr, fb_ptr=None,
-                FEEDBACK: tl.constexpr = False):
+                FEEDBACK: tl.constexpr = False, RING_FP8: tl.constexpr = False):
     col = tl.arange(0, D)[None, :]
-    ring_rows = ring_ptr + b * sr_b + tl.where(from_ring, q % W, 0)[:, None] * sr_t + h * sr_h + col
+    ring_row = ring_ptr + b * sr_b + tl.where(from_ring, q % W, 0) * sr_t + h * sr_h
     out_rows = out_ptr + b * so_b + tl.where(from_ring, 0, t)[:, None] * so_t + h * so_h + col
-    y = tl.where(from_ring[:, None], tl.load(ring_rows, mask=from_ring[:, None], other=0.0),
-                 tl.load(out_rows, mask=~from_ring[:, None], other=0.0)).to(tl.float32)
+    chunk = tl.load(out_rows, mask=~from_ring[:, None], other=0.0).to(tl.float32)
+    if RING_FP8:  # FP8 rows with a scale each (fp8_ring.py)
+        y = tl.where(from_ring[:, None], load_fp8_rows(ring_row, from_ring, D), chunk)
+    else:
+        y = tl.where(from_ring[:, None], tl.load(ring_row[:, None] + col, mask=from_ring[:, None], other=0.0
+                                                 ).to(tl.float32), chunk)
     bb = b + tl.zeros([PS], tl.int64)
     _quantize_store(y, j >= 0, j, codes_ptr, meta_ptr, bt_ptr, bb, h, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
                     clip_lo, clip_frac, MAX_PAGES, NUM_PAGES, PS, PS, D, NG, HAS_CLIP, FRAG, KIND, CHANNEL, fb_ptr,
@@ -349,7 +353,7 @@ def _flush_pages_kernel(kout_ptr, vout_ptr, so_b, so_t, so_h, tmap_ptr, stm_b, f
                         vclip_lo, vclip_frac, kratio, S, W, WE, MAX_PAGES, NUM_PAGES, NH,
                         PS: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, V_CLIP: tl.constexpr,
                         FRAG: tl.constexpr, HAS_TMAP: tl.constexpr = True, K_RANGE: tl.constexpr = False,
-                        fb_ptr=None, FEEDBACK: tl.constexpr = False):
+                        fb_ptr=None, FEEDBACK: tl.constexpr = False, RING_FP8: tl.constexpr = False):
     """Per-channel keys: the pages this call completes, one page of one row, head and side a program.
 
     A row holding ``L`` tokens keeps ``quantized_len(L)`` of them in pages (whole pages). The pages between the
@@ -378,16 +382,17 @@ def _flush_pages_kernel(kout_ptr, vout_ptr, so_b, so_t, so_h, tmap_ptr, stm_b, f
             if tl.program_id(2) < NH:
                 _flush_side(kout_ptr, so_b, so_t, so_h, kr_ptr, sr_b, sr_t, sr_h, kc_ptr, km_ptr, bt_ptr, stride_bt_b,
                             b, h, t, from_ring, q, j, sc_p, sc_s, sc_h, skm_p, 0, skm_h, 0, kratio, W, MAX_PAGES,
-                            NUM_PAGES, PS, D, NG, K_RANGE, FRAG, 0, True, fb_ptr, FEEDBACK)
+                            NUM_PAGES, PS, D, NG, K_RANGE, FRAG, 0, True, fb_ptr, FEEDBACK, RING_FP8)
             else:
                 _flush_side(vout_ptr, so_b, so_t, so_h, vr_ptr, sr_b, sr_t, sr_h, vc_ptr, vm_ptr, bt_ptr, stride_bt_b,
                             b, h, t, from_ring, q, j, sc_p, sc_s, sc_h, svm_p, svm_s, svm_h, vclip_lo, vclip_frac, W,
-                            MAX_PAGES, NUM_PAGES, PS, D, NG, V_CLIP, FRAG, 1, False)
+                            MAX_PAGES, NUM_PAGES, PS, D, NG, V_CLIP, FRAG, 1, False, RING_FP8=RING_FP8)
 
 
 @triton.jit(do_not_specialize=["sp_b", "T", "ROWS", "S", "W", "WE"])
 def _ring_kernel(kout_ptr, vout_ptr, so_b, so_t, so_h, pos_ptr, sp_b, last_ptr, kr_ptr, vr_ptr, sr_b, sr_t, sr_h,
-                 T, ROWS, S, W, WE, NH, PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):
+                 T, ROWS, S, W, WE, NH, PS: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
+                 RING_FP8: tl.constexpr = False):
     """This call's tokens into the ring (per-channel keys, after :func:`_flush_pages_kernel`): those past the row's
     pages (at most the newest ``W``), slot ``p % W``; one writer a slot, as the reference writes it."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -397,14 +402,17 @@ def _ring_kernel(kout_ptr, vout_ptr, so_b, so_t, so_h, pos_ptr, sp_b, last_ptr, 
     h = tl.program_id(1) % NH
     p = tl.load(pos_ptr + b * sp_b + t, mask=inb, other=-1).to(tl.int64)
     last = tl.load(last_ptr + b, mask=inb, other=0).to(tl.int64)
-    ring_final = (inb & (p >= S + whole_pages_len(last + 1, S, WE, PS)))[:, None]
+    ring_final = inb & (p >= S + whole_pages_len(last + 1, S, WE, PS))
     col = tl.arange(0, D)[None, :]
     src = b[:, None] * so_b + t[:, None] * so_t + h * so_h + col
-    dst = b[:, None] * sr_b + tl.where(ring_final, p[:, None] % W, 0) * sr_t + h * sr_h + col
-    if tl.program_id(1) < NH:
-        tl.store(kr_ptr + dst, tl.load(kout_ptr + src, mask=ring_final), mask=ring_final)
+    dst = b * sr_b + tl.where(ring_final, p % W, 0) * sr_t + h * sr_h  # the slot's row start
+    out_ptr = kout_ptr if tl.program_id(1) < NH else vout_ptr
+    ring_ptr = kr_ptr if tl.program_id(1) < NH else vr_ptr
+    x = tl.load(out_ptr + src, mask=ring_final[:, None], other=0.0)
+    if RING_FP8:  # FP8 rows with a scale each (fp8_ring.py), from the cache-dtype row
+        store_fp8_rows(ring_ptr + dst, x.to(tl.float32), ring_final, D)
     else:
-        tl.store(vr_ptr + dst, tl.load(vout_ptr + src, mask=ring_final), mask=ring_final)
+        tl.store(ring_ptr + dst[:, None] + col, x, mask=ring_final[:, None])
 
 
 def _clip_args(ratio: float, d: int) -> tuple[int, float, bool]:
@@ -489,10 +497,11 @@ def _store_pages_then_ring(geo, pos, first, last, k_out, v_out, k_codes, k_meta,
         h, PS=ps, D=d, NG=geo.num_groups, V_CLIP=v_clip, FRAG=fragment_order.in_fragment_order(k_codes),
         HAS_TMAP=t > 1, K_RANGE=key_range < 1.0, num_warps=8 if d * ps >= 8192 else 4,
         fb_ptr=None if key_feedback is None else key_feedback.float().contiguous(), FEEDBACK=key_feedback is not None,
+        RING_FP8=geo.ring_fp8,
     )
     block_t = 16
     _ring_kernel[(triton.cdiv(b * t, block_t), 2 * h)](
         k_out, v_out, k_out.stride(0), k_out.stride(1), k_out.stride(2), pos, pos.stride(0), last, k_ring, v_ring,
         k_ring.stride(0), k_ring.stride(1), k_ring.stride(2), t, b * t, geo.num_sinks, geo.window, geo.evict_window,
-        h, PS=ps, BLOCK_T=block_t, D=d, num_warps=4,
+        h, PS=ps, BLOCK_T=block_t, D=d, num_warps=4, RING_FP8=geo.ring_fp8,
     )

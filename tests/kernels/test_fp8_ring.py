@@ -70,9 +70,9 @@ def test_kernels_read_fp8_rows_and_zero_the_rows_they_skip():
     assert torch.equal(out, torch.where(ok[:, None] != 0, decode_rows(ring[rows]), 0.0))
 
 
-def _caches(h, d, batch, max_len, s, w, ps, quantize, dtype, seed):
+def _caches(h, d, batch, max_len, s, w, ps, quantize, dtype, seed, key_format="token"):
     return twin_caches(h, d, batch, max_len, s, w, ps, dtype=dtype, seed=seed, device=DEV, quantize=quantize,
-                       ring_format="fp8")
+                       ring_format="fp8", key_format=key_format)
 
 
 def _assert_same_rings(ref, got):
@@ -86,16 +86,20 @@ def _assert_same_rings(ref, got):
         torch.testing.assert_close(decode_rows(b), decode_rows(a), rtol=0.07, atol=1e-3)  # one e4m3 step: 2^-4
 
 
-@pytest.mark.parametrize("quantize", [False, True], ids=["every-token-in-the-ring", "int2-pages-behind-it"])
-def test_store_and_attention_match_reference_small(quantize):
+@pytest.mark.parametrize("quantize,key_format,w,ps,lengths", [
+    (False, "token", 6, 4, (19, 7)), (True, "token", 6, 4, (19, 7)), (True, "channel", 20, 16, (57, 23))],
+    ids=["every-token-in-the-ring", "int2-pages-behind-it", "per-channel-pages-behind-it"])
+def test_store_and_attention_match_reference_small(quantize, key_format, w, ps, lengths):
     # rows of different lengths with padding, a prefill longer than the window (INT2 caches evict FP8 rows into
-    # pages), decode steps read with and without the store's chunk. The INT2 case gave NaN on an H100 (2026-12-07)
-    # until the rows an FP8 read skips were zeroed (test_kernels_read_fp8_rows_and_zero_the_rows_they_skip)
-    h, gqa, d, s, w, ps, dtype = 2, 2, 64, 3, 6, 4, torch.float32
-    lengths, steps = (19, 7), 3
+    # pages; per-channel keys flush whole pages from the ring), decode steps read with and without the store's
+    # chunk. The INT2 case gave NaN on an H100 (2026-12-07) until the rows an FP8 read skips were zeroed
+    # (test_kernels_read_fp8_rows_and_zero_the_rows_they_skip)
+    h, gqa, d, s, dtype = 2, 2, 64, 3, torch.float32
+    steps = 3 if key_format == "token" else ps + 2  # per-channel keys: a decode step that completes a page
     gen = torch.Generator().manual_seed(1)
     b, t, max_len = len(lengths), max(lengths), max(lengths) + steps + 1
-    ref, got = _caches(h, d, b, max_len, s, w, ps, quantize, dtype, seed=2)
+    ref, got = _caches(h, d, b, max_len, s, w, ps, quantize, dtype, seed=2, key_format=key_format)
+    assert got.key_format == key_format
     assert got.layers[0].k_ring.dtype == torch.uint8
     pos = torch.stack([torch.where(torch.arange(t) < n, torch.arange(t), -1) for n in lengths]).to(DEV)
     k, v = (torch.randn(b, h, t, d, generator=gen).to(DEV, dtype) * 3 for _ in range(2))
@@ -118,6 +122,9 @@ def test_store_and_attention_match_reference_small(quantize):
         chunk = (ck1, cv1, p1) if step % 2 == 0 else None  # the new token exactly, or from the FP8 ring
         a = got.attention_args(0, q1, p1, p1[:, 0] + 1, chunk=chunk)
         assert rel_error(attention_triton(*a), attention_reference(*a)) < ATTN_TOL
+        # the two stores' caches read alike (pages included: a rounding tie may move a code, no more)
+        a_ref = ref.attention_args(0, q1, p1, p1[:, 0] + 1, chunk=chunk)
+        assert rel_error(attention_reference(*a), attention_reference(*a_ref)) < ATTN_TOL
         assert not LAST_LAUNCH["chunk_from_ring"]  # an FP8 ring holds it rounded: the chunk is read exactly
         lens = [n + 1 for n in lens]
     _assert_same_rings(ref, got)
@@ -196,10 +203,8 @@ def test_fp8_ring_halves_the_exact_tokens_and_moves_with_its_rows():
 
 
 def test_fp8_ring_is_refused_where_the_kernels_do_not_take_it():
-    with pytest.raises(ValueError, match="ring_format='fp8' needs per-token keys"):
+    with pytest.raises(ValueError, match="ring_format='fp8' needs a cache without a sliding window"):
         PagedInt2KVCache(1, 1, 64, sliding_window=16, ring_format="fp8")
-    with pytest.raises(ValueError, match="ring_format='fp8' needs per-token keys"):
-        PagedInt2KVCache(1, 1, 64, key_format="channel", page_size=16, ring_format="fp8")
     with pytest.raises(ValueError, match="ring_format must be one of"):
         PagedInt2KVCache(1, 1, 64, ring_format="int4")
     c = PagedInt2KVCache(1, 1, 64, max_seq_len=32, ring_format="fp8")
