@@ -3,11 +3,15 @@
 # revision (FP8 rows in loops of their own, scales outside the dots) and on 65dba96 (the revision the full-depth
 # e2e rows were timed with), same machine, then the f16-decode variant of the old one. Make and carry the old file:
 #   git show 65dba96:oscar_compile/kernels/triton_attention.py > build/attention_65dba96.py
-#   bash benchmarks/gpu_fp8_read.sh          (carry build/attention_65dba96.py; ~3 minutes; results under $OUT)
+#   bash benchmarks/gpu_fp8_read.sh          (carry build/attention_65dba96.py and .whl; ~4 minutes; results under $OUT)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name --format=csv,noheader
 [ -f build/attention_65dba96.py ] || { echo "build/attention_65dba96.py missing (see the top of this script)"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1  # carry .whl too
+echo "=== FP8 ring tests on the GPU (the new loops and the per-channel flush: checked only in the interpreter)"
+PYTHONPATH=$PWD:/tmp/site timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_ring.py \
+  tests/passes/test_exact_heads.py -k "fp8 or gather or ring" 2>&1 | tail -6
 echo "=== this revision"
 timeout 240 python3 benchmarks/bench_fp8_ring.py --shapes 64x8192,1x131072 --out "$OUT/bench_fp8_ring_h100.json" 2>&1 \
   | grep -v Warning
