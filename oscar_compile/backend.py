@@ -165,8 +165,9 @@ class BackendOptions:
     exact_format: str = "bf16"
     # How INT2 layers hold their newest tokens (the ring: the window, and with per-channel keys the page being filled)
     # after the sinks: "bf16" (the cache dtype), or "fp8" as exact_format's. Sliding-window layers keep theirs in the
-    # cache dtype. Added 2026-12-07: tested against the reference in the interpreter, not yet run on a GPU or
-    # measured for accuracy; the default stays "bf16".
+    # cache dtype. Added 2026-12-07: tested against the reference in the interpreter, not yet run on a GPU; SmolLM2
+    # at 2K (CPU, 32 x 64): +0.10% (-0.17..+0.37) perplexity against the default for 4.64 bits instead of 5.60. One
+    # model and context so far: the default stays "bf16".
     ring_format: str = "bf16"
 
 
