@@ -159,15 +159,15 @@ def fill_random_int2(cache, seed: int = 0) -> None:
             t.normal_(generator=g)
 
 
-def int2_cache(b, length, device, sinks=64, window=256, page=16, key_format="token"):
+def int2_cache(b, length, device, sinks=64, window=256, page=16, key_format="token", heads=HKV):
     from oscar_compile import LayerTransforms, PagedInt2KVCache
     from oscar_compile.testing import random_orthogonal
 
-    cache = PagedInt2KVCache(1, HKV, D, max_batch_size=b, max_seq_len=length, num_sinks=sinks, window=window,
+    cache = PagedInt2KVCache(1, heads, D, max_batch_size=b, max_seq_len=length, num_sinks=sinks, window=window,
                              page_size=page, identity_block_table=True, dtype=torch.bfloat16, device=device,
                              key_format=key_format)
     fill_random_int2(cache)
-    rot = random_orthogonal(HKV, D, torch.Generator().manual_seed(0))
+    rot = random_orthogonal(heads, D, torch.Generator().manual_seed(0))
     cache.set_transforms(0, LayerTransforms.from_matrices(rot, rot))
     return cache
 

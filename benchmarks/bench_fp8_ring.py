@@ -7,7 +7,8 @@ at 64 x 8K: if all of it is their read, about 0.19 TB/s. This times that read al
 (``bench_decode.bench_graph``): per format and per forced split count / warps of the BF16-key launch; and the INT2 side of such a layer (7 KV
 heads) against a whole INT2 layer (8), per head. ``--load f16``
 swaps the attention's FP8 row decode for one in fp16 arithmetic (run it in its own process: Triton caches the
-kernel with its first decode). ``--attention-from FILE`` times another revision of ``kernels/triton_attention.py``
+kernel with its first decode); only a revision whose BF16-key launch decodes FP8 rows with ``load_fp8_rows`` (65dba96)
+takes it: this one's loops no longer call it. ``--attention-from FILE`` times another revision of ``kernels/triton_attention.py``
 (e.g. ``git show REV:oscar_compile/kernels/triton_attention.py > build/attention_rev.py``, carried to the device).
 
     python benchmarks/bench_fp8_ring.py --shapes 64x8192,1x131072 --out benchmarks/results/bench_fp8_ring_h100.json
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from bench_decode import COPY_TBPS, bench_bf16_backends, bench_graph, fill_random_int2
+from bench_decode import COPY_TBPS, bench_bf16_backends, bench_graph, int2_cache
 from oscar_compile import PagedInt2KVCache
 from oscar_compile.kernels import triton_attention
 from oscar_compile.kernels.attention import attention_reference
@@ -74,24 +75,10 @@ def companion(b, length, fmt, device):
     return c
 
 
-def int2_layer(b, length, heads, device):
-    """A layer's INT2 cache as the backend makes it by default (per-channel keys in pages of 32), random contents:
-    with exact heads it holds 7 of Llama-3-8B's 8 KV heads."""
-    from oscar_compile import LayerTransforms
-    from oscar_compile.testing import random_orthogonal
-
-    c = PagedInt2KVCache(1, heads, D, max_batch_size=b, max_seq_len=length + 8, num_sinks=64, window=256,
-                         page_size=32, key_format="channel", identity_block_table=True, dtype=torch.bfloat16,
-                         device=device)
-    fill_random_int2(c)
-    rot = random_orthogonal(heads, D, torch.Generator().manual_seed(0))
-    c.set_transforms(0, LayerTransforms.from_matrices(rot, rot))
-    return c
-
-
 def bench_int2(b, length, heads, device):
     """A decode step's INT2 attention over ``heads`` KV heads (the INT2 side of an exact-heads layer at 7)."""
-    c = int2_layer(b, length, heads, device)
+    # the backend's default INT2 layer: per-channel keys in pages of 32 (with exact heads, 7 of the 8 KV heads)
+    c = int2_cache(b, length + 8, device, page=32, key_format="channel", heads=heads)
     p1 = torch.full((b, 1), length - 1, device=device)
     q = torch.randn(b, heads * GQA, 1, D, device=device, dtype=torch.bfloat16)
     args = c.attention_args(0, q, p1, p1[:, 0] + 1)

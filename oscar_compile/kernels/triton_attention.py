@@ -706,7 +706,9 @@ def _attn_kernel(
                         kb = tl.multiple_of(kb, 16)
                         vb = tl.multiple_of(vb, 16)
                     # values are issued with the keys, not after the softmax (no change measured on the H200 at
-                    # 64 x 4K: the compiler had already hoisted the load)
+                    # 64 x 4K: the compiler had already hoisted the load). Written out, not _plain_key_block's call:
+                    # through the call, sm_90 lost the selected pointers' vector loads (29 -> 141 ld.global) and
+                    # spilled 788 bytes at d = 128 (2026-12-07, Triton 3.7's ptxas)
                     k = tl.load(kb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
                     v = tl.load(vb[:, None] + dcol[None, :], mask=key_ok[:, None], other=0.0).to(DT)
                     s = tl.where(vis, tl.dot(qq, tl.trans(k)) + bias, float("-inf"))
