@@ -148,6 +148,7 @@ CONFIGS = {  # key: (label, options, compile mode: None = the --mode argument)
     "int2": ("oscar INT2", {}, None),  # the backend's defaults: keys per channel since 2026-12-05, per token before
     "int2-channel": ("oscar INT2, per-channel keys (pages of 32)", {"key_format": "channel", "page_size": 32}, None),
     "int2-token": ("oscar INT2, per-token keys (pages of 16)", {"key_format": "token"}, None),
+    "int2-r8": ("oscar INT2, the INT2 layers' rings in FP8 (ring_format='fp8')", {"ring_format": "fp8"}, None),
     "off": ("oscar, quantize off", {"quantize": False}, None),
     # retrieval heads in BF16: KV head 0 of every other layer (1/16 of the KV heads at 8 a layer, the calibrated share)
     "int2-xh": ("oscar INT2, KV head 0 of every other layer in BF16 (exact_heads; 1/16 of Llama-3-8B's heads)", {"exact_heads": "every-other-layer"}, None),
