@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The next GPU call for the FP8 heads' read (README, "FP8 retrieval heads, the storage"): bench_fp8_ring.py on this
 # revision (FP8 rows in loops of their own, scales outside the dots) and on 65dba96 (the revision the full-depth
-# e2e rows were timed with), same machine, then the f16-decode variant of the old one. Make and carry the old file:
+# e2e rows were timed with), same machine; with WITH_F16=1 also the f16-decode variant of the old one. Make and carry
+# the old file:
 #   git show 65dba96:oscar_compile/kernels/triton_attention.py > build/attention_65dba96.py
-#   bash benchmarks/gpu_fp8_read.sh          (carry build/attention_65dba96.py and .whl; ~4 minutes; results under $OUT)
+#   bash benchmarks/gpu_fp8_read.sh          (carry build/attention_65dba96.py and .whl; at most ~8 minutes, fits one call;
+#                                            results under $OUT)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name --format=csv,noheader
