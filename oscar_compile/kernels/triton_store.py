@@ -332,14 +332,16 @@ def _flush_side(out_ptr, so_b, so_t, so_h, ring_ptr, sr_b, sr_t, sr_h, codes_ptr
                 FRAG: tl.constexpr, KIND: tl.constexpr, CHANNEL: tl.constexpr, fb_ptr=None,
                 FEEDBACK: tl.constexpr = False, RING_FP8: tl.constexpr = False):
     col = tl.arange(0, D)[None, :]
-    ring_row = ring_ptr + b * sr_b + tl.where(from_ring, q % W, 0) * sr_t + h * sr_h
-    out_rows = out_ptr + b * so_b + tl.where(from_ring, 0, t)[:, None] * so_t + h * so_h + col
-    chunk = tl.load(out_rows, mask=~from_ring[:, None], other=0.0).to(tl.float32)
     if RING_FP8:  # FP8 rows with a scale each (fp8_ring.py)
+        ring_row = ring_ptr + b * sr_b + tl.where(from_ring, q % W, 0) * sr_t + h * sr_h
+        out_rows = out_ptr + b * so_b + tl.where(from_ring, 0, t)[:, None] * so_t + h * so_h + col
+        chunk = tl.load(out_rows, mask=~from_ring[:, None], other=0.0).to(tl.float32)
         y = tl.where(from_ring[:, None], load_fp8_rows(ring_row, from_ring, D), chunk)
-    else:
-        y = tl.where(from_ring[:, None], tl.load(ring_row[:, None] + col, mask=from_ring[:, None], other=0.0
-                                                 ).to(tl.float32), chunk)
+    else:  # as it ran on the GPU before the FP8 rows (65dba96): the same PTX
+        ring_rows = ring_ptr + b * sr_b + tl.where(from_ring, q % W, 0)[:, None] * sr_t + h * sr_h + col
+        out_rows = out_ptr + b * so_b + tl.where(from_ring, 0, t)[:, None] * so_t + h * so_h + col
+        y = tl.where(from_ring[:, None], tl.load(ring_rows, mask=from_ring[:, None], other=0.0),
+                     tl.load(out_rows, mask=~from_ring[:, None], other=0.0)).to(tl.float32)
     bb = b + tl.zeros([PS], tl.int64)
     _quantize_store(y, j >= 0, j, codes_ptr, meta_ptr, bt_ptr, bb, h, stride_bt_b, sc_p, sc_s, sc_h, sm_p, sm_s, sm_h,
                     clip_lo, clip_frac, MAX_PAGES, NUM_PAGES, PS, PS, D, NG, HAS_CLIP, FRAG, KIND, CHANNEL, fb_ptr,
@@ -405,14 +407,19 @@ def _ring_kernel(kout_ptr, vout_ptr, so_b, so_t, so_h, pos_ptr, sp_b, last_ptr, 
     ring_final = inb & (p >= S + whole_pages_len(last + 1, S, WE, PS))
     col = tl.arange(0, D)[None, :]
     src = b[:, None] * so_b + t[:, None] * so_t + h * so_h + col
-    dst = b * sr_b + tl.where(ring_final, p % W, 0) * sr_t + h * sr_h  # the slot's row start
-    out_ptr = kout_ptr if tl.program_id(1) < NH else vout_ptr
-    ring_ptr = kr_ptr if tl.program_id(1) < NH else vr_ptr
-    x = tl.load(out_ptr + src, mask=ring_final[:, None], other=0.0)
     if RING_FP8:  # FP8 rows with a scale each (fp8_ring.py), from the cache-dtype row
+        dst = b * sr_b + tl.where(ring_final, p % W, 0) * sr_t + h * sr_h  # the slot's row start
+        out_ptr = kout_ptr if tl.program_id(1) < NH else vout_ptr
+        ring_ptr = kr_ptr if tl.program_id(1) < NH else vr_ptr
+        x = tl.load(out_ptr + src, mask=ring_final[:, None], other=0.0)
         store_fp8_rows(ring_ptr + dst, x.to(tl.float32), ring_final, D)
-    else:
-        tl.store(ring_ptr + dst[:, None] + col, x, mask=ring_final[:, None])
+    else:  # as it ran on the GPU before the FP8 rows (65dba96): the same PTX
+        final = ring_final[:, None]
+        dst = b[:, None] * sr_b + tl.where(final, p[:, None] % W, 0) * sr_t + h * sr_h + col
+        if tl.program_id(1) < NH:
+            tl.store(kr_ptr + dst, tl.load(kout_ptr + src, mask=final), mask=final)
+        else:
+            tl.store(vr_ptr + dst, tl.load(vout_ptr + src, mask=final), mask=final)
 
 
 def _clip_args(ratio: float, d: int) -> tuple[int, float, bool]:
