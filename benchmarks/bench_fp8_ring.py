@@ -48,12 +48,13 @@ def load_fp8_rows_f16(row_ptr, ok, D: tl.constexpr):
     return tl.where(ok[:, None], x, 0.0)
 
 
-def attention_from(path: str):
-    """``attention_triton`` of another revision of the module, imported inside the package (its relative imports)."""
+def revision_module(path: str, name: str = "_attention_rev"):
+    """Another revision's file of ``oscar_compile/kernels`` (e.g. ``triton_attention.py``), imported inside the
+    package as ``oscar_compile.kernels.<name>`` (its relative imports)."""
     import importlib.util
     import sys
 
-    name = "oscar_compile.kernels._attention_rev"
+    name = f"oscar_compile.kernels.{name}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = sys.modules[name] = importlib.util.module_from_spec(spec)  # registered first: its dataclasses need it
     spec.loader.exec_module(module)
@@ -119,7 +120,7 @@ def main():
     args = ap.parse_args()
     global ATTENTION
     if args.attention_from:
-        ATTENTION = attention_from(args.attention_from)
+        ATTENTION = revision_module(args.attention_from)
     if args.load == "f16":
         ATTENTION.load_fp8_rows = load_fp8_rows_f16
     dev = args.device

@@ -1,6 +1,7 @@
 """Whether the default launches (16-bit rings) compile to the same sm_90 code as at another revision, without a GPU.
 
-Compiles the BF16-key attention launch, the per-channel page flush and the ring launch of this revision and of
+Compiles the attention launches (INT2 pages; BF16 keys: sinks, ring, chunk), the per-channel page flush and the ring
+launch, decode and prefill, at d = 64, 128 and 256, of this revision and of
 another one's ``triton_attention.py`` / ``triton_store.py``, then compares their PTX with registers renumbered and
 debug info dropped. ``same`` means the code that ran on the GPU at that revision is the code now.
 
@@ -8,28 +9,19 @@ debug info dropped. ``same`` means the code that ran on the GPU at that revision
     git show 65dba96:oscar_compile/kernels/triton_store.py > build/store_65dba96.py
     PYTHONPATH=$PWD python3 benchmarks/ptx_against_revision.py build/attention_65dba96.py build/store_65dba96.py
 
-2026-12-07: every launch here is the same as at 65dba96 (the revision of the last H100 runs), once the page flush's
-and the ring launch's 16-bit branches were written as they were there.
+2026-12-07: all 27 are the same as at 65dba96 (the revision of the last H100 runs), once
+the page flush's and the ring launch's 16-bit branches were written as they were there.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
-import sys
 
 import triton.language as tl
+from bench_fp8_ring import revision_module
 
 from oscar_compile.kernels import sm90, triton_attention, triton_store
-
-
-def load_revision(path: str, name: str):
-    """A module file of another revision, imported inside the package (its relative imports)."""
-    spec = importlib.util.spec_from_file_location(f"oscar_compile.kernels.{name}", path)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def normalised_ptx(kernel) -> list[str]:
@@ -44,22 +36,23 @@ def with_ring_fp8_off(fn, constexprs: dict) -> dict:
     return dict(constexprs, RING_FP8=False) if "RING_FP8" in fn.arg_names else constexprs
 
 
-def attention(**kw):
+def attention(d, **kw):  # sm90.compile_attention's constants: BF16-key launch (region 1) or INT2 pages (region 0)
     prefill = kw.get("prefill", False)
-    const = dict(H=8, G=4, D=128, NG=1, PS=32, HAS_RING=True, KCH=kw.get("kch", True), DEBIAS=False, BLOCK_M=16,
-                 BLOCK_N=64, IS_CAUSAL=prefill, MASK_KIND=kw.get("mask_kind", 0), HAS_CHUNK=prefill, DT=tl.float16,
-                 KC=64, ALIGNED=True, ABLATE=0, USE_ASM=True, REGION=1, FRAG=True, DENSE_CHUNK=prefill,
+    const = dict(H=8, G=4, D=d, NG=1, PS=32, HAS_RING=True, KCH=kw.get("kch", True), DEBIAS=False,
+                 BLOCK_M=kw.get("block_m", 16), BLOCK_N=kw.get("block_n", 64), IS_CAUSAL=prefill, MASK_KIND=kw.get("mask_kind", 0), HAS_CHUNK=prefill, DT=tl.float16,
+                 KC=min(d, 64), ALIGNED=True, ABLATE=0, USE_ASM=True, REGION=kw.get("region", 1), FRAG=True, DENSE_CHUNK=prefill,
                  CDT=tl.bfloat16 if prefill else tl.float16, MASK_BOUNDS=kw.get("mask_bounds", False), KFOLD=True)
     return lambda fn: sm90.compile_sm90(fn, with_ring_fp8_off(fn, const), sm90.ATTENTION_POINTERS, 4, 2)
 
 
-def page_flush(fn):
-    const = dict(PS=32, D=128, NG=1, V_CLIP=True, FRAG=True, HAS_TMAP=True, K_RANGE=True, FEEDBACK=False, fb_ptr=None)
-    return sm90.compile_sm90(fn, with_ring_fp8_off(fn, const), dict(sm90.STORE_POINTERS, fb_ptr="*fp32"), 4)
+def page_flush(d):  # sm90.compile_store_pages's
+    const = dict(PS=32, D=d, NG=1, V_CLIP=True, FRAG=True, HAS_TMAP=True, K_RANGE=True, FEEDBACK=False, fb_ptr=None)
+    return lambda fn: sm90.compile_sm90(fn, with_ring_fp8_off(fn, const), dict(sm90.STORE_POINTERS, fb_ptr="*fp32"),
+                                        8 if d * 32 >= 8192 else 4)
 
 
-def ring_launch(fn):
-    return sm90.compile_sm90(fn, with_ring_fp8_off(fn, dict(PS=32, BLOCK_T=16, D=128)), sm90.STORE_POINTERS, 4)
+def ring_launch(d):  # sm90.compile_store_ring's
+    return lambda fn: sm90.compile_sm90(fn, with_ring_fp8_off(fn, dict(PS=32, BLOCK_T=16, D=d)), sm90.STORE_POINTERS, 4)
 
 
 def main() -> None:
@@ -67,13 +60,19 @@ def main() -> None:
     ap.add_argument("attention_file", help="another revision's kernels/triton_attention.py")
     ap.add_argument("store_file", help="another revision's kernels/triton_store.py")
     args = ap.parse_args()
-    old_attention = load_revision(args.attention_file, "_attention_rev")
-    old_store = load_revision(args.store_file, "_store_rev")
-    cases = [(f"attention, BF16 keys {kw or ''}", attention(**kw), "_attn_kernel", old_attention, triton_attention)
-             for kw in ({}, {"kch": False}, {"mask_kind": 1, "mask_bounds": True}, {"prefill": True},
-                        {"prefill": True, "mask_kind": 1})]
-    cases += [("page flush, per-channel keys", page_flush, "_flush_pages_kernel", old_store, triton_store),
-              ("ring launch, per-channel keys", ring_launch, "_ring_kernel", old_store, triton_store)]
+    old_attention = revision_module(args.attention_file, "_attention_rev")
+    old_store = revision_module(args.store_file, "_store_rev")
+    cases = []
+    for d in (64, 128, 256):
+        cases += [(f"d={d} attention, BF16 keys {kw or ''}", attention(d, **kw), "_attn_kernel", old_attention,
+                   triton_attention)
+                  for kw in ({}, {"kch": False}, {"mask_kind": 1, "mask_bounds": True}, {"prefill": True},
+                             {"prefill": True, "mask_kind": 1})]
+        cases += [(f"d={d} attention, INT2 pages {kw}", attention(d, region=0, **kw), "_attn_kernel", old_attention,
+                   triton_attention)
+                  for kw in ({"block_n": 128 if d <= 128 else 64}, {"prefill": True, "block_m": 32, "block_n": 32})]
+        cases += [(f"d={d} page flush, per-channel keys", page_flush(d), "_flush_pages_kernel", old_store, triton_store),
+                  (f"d={d} ring launch, per-channel keys", ring_launch(d), "_ring_kernel", old_store, triton_store)]
     for label, compile_fn, name, old, new in cases:
         now, then = normalised_ptx(compile_fn(getattr(new, name))), normalised_ptx(compile_fn(getattr(old, name)))
         print(f"{'same' if now == then else 'DIFF'}  {label}: {len(now)} / {len(then)} lines", flush=True)

@@ -167,8 +167,9 @@ class BackendOptions:
     # after the sinks: "bf16" (the cache dtype), or "fp8" as exact_format's. Sliding-window layers keep theirs in the
     # cache dtype. Added 2026-12-07: tested against the reference in the interpreter, not yet run on a GPU. At 2K
     # (CPU, 32 x 64), paired against the default: SmolLM2 +0.10% (-0.17..+0.37) perplexity for 4.64 bits instead of
-    # 5.60, Gemma 3 -0.02% (-0.13..+0.08) for 4.54 instead of 4.66 (its sliding-window layers keep 16-bit rings).
-    # Two models at 2K only: the default stays "bf16".
+    # 5.60, Gemma 3 -0.02% (-0.13..+0.08) for 4.54 instead of 4.66 (its sliding-window layers keep 16-bit rings),
+    # Qwen2.5-Coder-0.5B (held out, 16 x 64) +0.19% (-0.19..+0.56) for 5.22 instead of 6.14. Three models at 2K on
+    # the CPU, never on a GPU: the default stays "bf16".
     ring_format: str = "bf16"
 
 
